@@ -1,0 +1,1 @@
+"""Controller: the reconcile loop, actuators, REST API, metrics, tracing, settings."""

@@ -1,0 +1,5 @@
+"""``python -m kvtier`` == ``kvtier``."""
+
+from kvtier.cli import main
+
+main()

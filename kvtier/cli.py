@@ -1,0 +1,28 @@
+"""The ``kvtier`` command line: each subsystem registers its own subcommands here."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="kvtier",
+    help="kvtier: learned KV-cache tiering for vLLM / LMCache / Mooncake, with a what-if replay harness.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register() -> None:
+    # Each module adds its commands to ``app`` (one line per subsystem keeps merges trivial).
+    pass
+
+
+def main() -> None:
+    """Console-script entry point."""
+    _register()
+    app()
+
+
+if __name__ == "__main__":
+    main()

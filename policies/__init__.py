@@ -1,0 +1,1 @@
+"""Policies: pure decision code (no I/O) -- block index, features, predictor, baselines, planner."""

