@@ -36,7 +36,7 @@ def test_reads_plain_and_gzip(tmp_path: Path, name: str) -> None:
 def test_block_tokens_and_max_requests(tmp_path: Path) -> None:
     p = write(tmp_path, [json.dumps(r) for r in GOOD])
     assert len(load_trace(p, max_requests=1)) == 1
-    assert load_trace(p, block_tokens=1000)[0].block_tokens == 1000
+    assert load_trace(p, block_tokens=500)[0].block_tokens == 500
     with pytest.raises(TraceError, match="spans only 1 blocks of 1024"):
         load_trace(p, block_tokens=1024)  # line 1: 1000 tokens cannot fill 2 blocks of 1024
     with pytest.raises(ValueError, match="block_tokens"):
