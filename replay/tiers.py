@@ -237,8 +237,20 @@ class TierStack:
         tier_of[hit0] = 0
         st[0].hits += int(np.count_nonzero(hit0))
         if len(st) > 1:
+            ev = top.drain_evicted()
+            ev_set = set(ev)
             for i in np.flatnonzero(~hit0).tolist():
                 b = int(ids[i])
+                if b in ev_set and top.contains(b):
+                    # evicted by this very request before its turn came, then re-admitted: block by block
+                    # it would have been demoted to tier 1 and promoted straight back
+                    ev_set.discard(b)
+                    tier_of[i] = 1
+                    st[1].hits += 1
+                    st[1].bytes_out_up += bb
+                    st[0].bytes_in += bb
+                    self._link(st[1].spec.name, st[0].spec.name, bb)
+                    continue
                 for k in range(1, len(st)):
                     pk = st[k].policy
                     if pk.contains(b):
@@ -250,8 +262,9 @@ class TierStack:
                         st[0].bytes_in += bb
                         self._link(st[k].spec.name, st[0].spec.name, bb)
                         break
+            if len(ev_set) != len(ev):
+                ev = [b for b in ev if b in ev_set]
             # demotion cascade
-            ev = top.drain_evicted()
             for k in range(1, len(st)):
                 st[k - 1].evictions += len(ev)
                 if not ev:
@@ -297,8 +310,6 @@ class TierStack:
 
     def summary(self) -> list[dict[str, Any]]:
         """Per-tier figures (blocks, bytes)."""
-        total = sum(max(1, 0) for _ in ())  # placeholder to keep mypy quiet about unused
-        del total
         out = []
         for s in self._t:
             out.append(
