@@ -10,7 +10,7 @@ from kvtier.policies.base import HitMask, Policy, Request
 
 
 class LRUPolicy(Policy):
-    """Least recently used: a hit moves the block to the MRU end; a miss inserts it, evicting the LRU block."""
+    """Least recently used: a hit moves the block to the MRU end; a miss inserts it, evicting the LRU one."""
 
     name = "lru"
 

@@ -55,7 +55,9 @@ def _resolve(name: str) -> PolicyFactory:
         return _FACTORIES[name]
     factory = getattr(mod, attr or "create_policy", None)
     if factory is None:
-        raise KeyError(f"policy {name!r}: {mod_name} neither registered it nor defines {attr or 'create_policy'}")
+        raise KeyError(
+            f"policy {name!r}: {mod_name} neither registered it nor defines {attr or 'create_policy'}"
+        )
     _FACTORIES[name] = factory
     return factory
 

@@ -132,8 +132,9 @@ def replay(
     """
     reqs: Iterable[Request] = requests
     if policy.offline:
-        reqs = requests if isinstance(requests, Sequence) else list(requests)
-        policy.prepare(reqs)  # type: ignore[arg-type]
+        seq = requests if isinstance(requests, Sequence) else list(requests)
+        policy.prepare(seq)
+        reqs = seq
     stats = ReplayStats(policy=policy.name, capacity_blocks=policy.capacity_blocks)
     tier0_name = tiers.tier_names[0] if tiers is not None else "gpu"
     t0 = time.perf_counter()

@@ -137,7 +137,9 @@ def parse_tier_config(data: Mapping[str, Any], *, source: str = "<config>") -> T
     bt = int(data.get("block_tokens", 512))
     if bt <= 0:
         raise ValueError(f"{source}: block_tokens must be > 0")
-    return TierConfig(model=model, tiers=tuple(tiers), block_tokens=bt, prefetch=bool(data.get("prefetch", False)))
+    return TierConfig(
+        model=model, tiers=tuple(tiers), block_tokens=bt, prefetch=bool(data.get("prefetch", False))
+    )
 
 
 def load_tier_config(path: str | Path) -> TierConfig:
@@ -294,7 +296,9 @@ class TierStack:
             st[k].prefix_hit_tokens += tok
             if k > 0:
                 loads[k] = loads.get(k, 0) + 1
-        pref_tok = req.input_length - remaining if lead == n else min(lead * req.block_tokens, req.input_length)
+        pref_tok = (
+            req.input_length - remaining if lead == n else min(lead * req.block_tokens, req.input_length)
+        )
         tps = self.config.model.prefill_tokens_per_s
         compute_ms = (req.input_length - pref_tok) / tps * 1e3
         load_ms = 0.0

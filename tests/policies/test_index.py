@@ -62,7 +62,11 @@ def test_touch_gaps() -> None:
     assert s.gap_ewma_ms == pytest.approx(0.7 * 50 + 0.3 * 100)
     assert ix.touch(6, 1.0) is False
     slots = ix.access_chain([5, 7, 8], 300.0)
-    assert ix.get(8).parent == 7 and ix.get(8).depth == 2 and slots.tolist() == [ix.slot_of(h) for h in (5, 7, 8)]  # type: ignore[union-attr]
+    assert (
+        ix.get(8).parent == 7
+        and ix.get(8).depth == 2
+        and slots.tolist() == [ix.slot_of(h) for h in (5, 7, 8)]
+    )  # type: ignore[union-attr]
 
 
 def test_leaf_first_victims() -> None:

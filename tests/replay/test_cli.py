@@ -29,7 +29,14 @@ def test_replay_json_fields() -> None:
     code, out, _ = invoke("replay", "bundled", "--policy", "lru", "--capacity", "0.05", "--format", "json")
     assert code == 0, out
     d = json.loads(out)
-    for k in ("policy", "capacity_blocks", "requests", "block_accesses", "block_hit_ratio", "prefix_hit_ratio"):
+    for k in (
+        "policy",
+        "capacity_blocks",
+        "requests",
+        "block_accesses",
+        "block_hit_ratio",
+        "prefix_hit_ratio",
+    ):
         assert k in d
     assert d["capacity_blocks"] == round(0.05 * 182790) == 9140
     assert d["requests"] == 12031 and d["block_accesses"] == 288500
@@ -37,7 +44,9 @@ def test_replay_json_fields() -> None:
 
 
 def test_capacity_counts_only_replayed_requests(tmp_path: Path) -> None:
-    code, out, _ = invoke("replay", "bundled", "--capacity", "0.1", "--max-requests", "100", "--format", "json")
+    code, out, _ = invoke(
+        "replay", "bundled", "--capacity", "0.1", "--max-requests", "100", "--format", "json"
+    )
     d = json.loads(out)
     assert code == 0 and d["requests"] == 100
     assert d["capacity_blocks"] == round(0.1 * d["distinct_blocks"]) and d["distinct_blocks"] < 182790
@@ -63,8 +72,8 @@ def test_per_request_is_causal(policy: str, tmp_path: Path) -> None:
 
 def test_per_request_sums_to_totals(tmp_path: Path) -> None:
     f = tmp_path / "pr.jsonl"
-    code, out, _ = invoke("replay", "bundled", "--policy", "s3fifo", "--capacity", "0.02", "--tiers", "llama3-8b",
-                          "--per-request", str(f), "--format", "json")  # fmt: skip
+    args = ["replay", "bundled", "--policy", "s3fifo", "--capacity", "0.02", "--tiers", "llama3-8b"]
+    code, out, _ = invoke(*args, "--per-request", str(f), "--format", "json")
     assert code == 0, out
     d = json.loads(out)
     lines = [json.loads(x) for x in f.read_text().splitlines()]
@@ -114,9 +123,14 @@ def test_compare_table_json_and_plot(tmp_path: Path) -> None:
     for f in (0.01, 0.05):
         assert cells[("lru", f)]["gap_closed"] in (0.0, None)
         assert cells[("belady", f)]["gap_closed"] in (1.0, None)
-        assert all(cells[("belady", f)]["prefix_hit_ratio"] >= cells[(p, f)]["prefix_hit_ratio"] for p in d["policies"])
+        assert all(
+            cells[("belady", f)]["prefix_hit_ratio"] >= cells[(p, f)]["prefix_hit_ratio"]
+            for p in d["policies"]
+        )
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
-    code, out, _ = invoke("compare", "bundled", "--policies", "lru", "--capacities", "0.02", "--max-requests", "500")
+    code, out, _ = invoke(
+        "compare", "bundled", "--policies", "lru", "--capacities", "0.02", "--max-requests", "500"
+    )
     assert code == 0 and "gap closed" in out and "belady" in out
 
 
@@ -125,7 +139,7 @@ def test_console_script_subprocess() -> None:
     env = {**os.environ, "DO_NOT_TRACK": "1"}
     exe = Path(sys.executable).with_name("kvtier")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvtier"]
-    r = subprocess.run([*cmd, "replay", "bundled", "--policy", "fifo", "--capacity", "0.01", "--format", "json"],
-                       capture_output=True, text=True, env=env, timeout=300, check=False)  # fmt: skip
+    args = ["replay", "bundled", "--policy", "fifo", "--capacity", "0.01", "--format", "json"]
+    r = subprocess.run([*cmd, *args], capture_output=True, text=True, env=env, timeout=300, check=False)
     assert r.returncode == 0, r.stderr
     assert abs(json.loads(r.stdout)["block_hit_ratio"] - 0.0505) < 0.0005

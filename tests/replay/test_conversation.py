@@ -41,7 +41,7 @@ def test_trace_shape() -> None:
 
 
 def libcachesim_run(cls: type, cap: int) -> tuple[int, int, int]:
-    """Feed the block access sequence (unit-size objects) to libCacheSim; returns hits, prefix tokens, inputs."""
+    """Feed the block access sequence (unit-size objects) to libCacheSim; -> hits, prefix tokens, inputs."""
     reqs, _ = trace()
     cache = cls(cap)
     hits = tok = tok_in = 0

@@ -12,7 +12,14 @@ from kvtier.policies.base import Request
 from kvtier.replay.runner import Workload, load_workload, run_one
 from kvtier.replay.tiers import TierStack, bundled_config, load_tier_config, parse_tier_config
 
-MODEL = {"name": "m", "layers": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "prefill_tokens_per_s": 10000}
+MODEL = {
+    "name": "m",
+    "layers": 32,
+    "kv_heads": 8,
+    "head_dim": 128,
+    "dtype_bytes": 2,
+    "prefill_tokens_per_s": 10000,
+}
 
 
 def cfg(*tiers: dict, prefetch: bool = False) -> dict:
@@ -20,7 +27,13 @@ def cfg(*tiers: dict, prefetch: bool = False) -> dict:
 
 
 GPU = {"name": "gpu", "capacity_blocks": 2}
-CPU = {"name": "cpu", "capacity_blocks": 2, "read_gbps": 64 * 2**20 / 1e9 * 1000, "write_gbps": 10, "latency_us": 500}
+CPU = {
+    "name": "cpu",
+    "capacity_blocks": 2,
+    "read_gbps": 64 * 2**20 / 1e9 * 1000,
+    "write_gbps": 10,
+    "latency_us": 500,
+}
 
 
 @functools.cache
@@ -70,7 +83,9 @@ def test_prefetch_overlaps_loads() -> None:
 def test_exclusive_lru_tiers_equal_one_big_lru() -> None:
     """trace_baselines.md §7: exclusive LRU(5 %) + LRU(40 %) equals a single LRU(45 %) exactly."""
     wl = conversation()
-    c = parse_tier_config(cfg({"name": "gpu", "capacity": 0.05}, {**CPU, "capacity_blocks": None, "capacity": 0.4}))
+    c = parse_tier_config(
+        cfg({"name": "gpu", "capacity": 0.05}, {**CPU, "capacity_blocks": None, "capacity": 0.4})
+    )
     two = run_one(wl, "lru", None, tiers=c)
     one = run_one(wl, "lru", round(0.05 * wl.distinct_blocks) + round(0.4 * wl.distinct_blocks))
     assert two.block_hits == one.block_hits and two.prefix_hit_tokens == one.prefix_hit_tokens

@@ -45,7 +45,10 @@ def test_block_tokens_and_max_requests(tmp_path: Path) -> None:
 
 def test_uint64_ids_fold(tmp_path: Path) -> None:
     big = (1 << 64) - 1
-    p = write(tmp_path, [json.dumps({"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [big, 3]})])
+    p = write(
+        tmp_path,
+        [json.dumps({"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [big, 3]})],
+    )
     (r,) = load_trace(p)
     assert r.hash_ids.tolist() == [-1, 3]
 
@@ -66,7 +69,10 @@ BAD = [
     ('{"timestamp": 0, "input_length": -1, "output_length": 1, "hash_ids": []}', "input_length must be >= 0"),
     ('{"timestamp": -5, "input_length": 1, "output_length": 1, "hash_ids": [1]}', "timestamp"),
     ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1, 2]}', "spans only 1 blocks"),
-    ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 18446744073709551616]}', "64"),
+    (
+        '{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 18446744073709551616]}',
+        "64",
+    ),
     ("[1, 2]", "invalid record"),
 ]
 
