@@ -111,12 +111,6 @@ def prefix_tokens(req: Request, n_lead: int) -> int:
     return min(n_lead * req.block_tokens, req.input_length)
 
 
-def _leading_hits(hits: np.ndarray) -> int:
-    if hits.all():
-        return int(hits.size)
-    return int(np.argmin(hits))
-
-
 def replay(
     requests: Iterable[Request],
     policy: Policy,
@@ -154,7 +148,7 @@ def replay(
         if hits.shape != (n,):
             raise RuntimeError(f"policy {policy.name} returned {hits.shape} hits for {n} blocks")
         nh = int(np.count_nonzero(hits))
-        lead = _leading_hits(hits) if n else 0
+        lead = n if nh == n else int(np.argmin(hits))
         pt = prefix_tokens(req, lead)
         acc += n
         hits_total += nh
