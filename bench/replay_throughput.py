@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             cli_wall[p] = time.perf_counter() - t0
             print(f"\n`kvtier replay {a.trace} --policy {p} --capacity {fracs[0]}`: {cli_wall[p]:.2f} s")
         if "learned" in cli_wall:
-            print(f"learned/lru whole-command wall time: {cli_wall['learned'] / cli_wall['lru']:.2f}x (goal <= 10x)")
+            ratio = cli_wall["learned"] / cli_wall["lru"]
+            print(f"learned/lru whole-command wall time: {ratio:.2f}x (goal <= 10x)")
     return 0
 
 
