@@ -159,6 +159,8 @@ def _plot(result: dict[str, Any], path: Path) -> None:
             [100 * c for c in caps], ys, marker="o", label=p + (" (bound)" if p == "belady" else ""), **style
         )
     ax.set_xscale("log")
+    ax.set_xticks([100 * c for c in caps if c > 0], [f"{100 * c:g}" for c in caps if c > 0])
+    ax.minorticks_off()
     ax.set_xlabel("capacity, % of distinct blocks")
     ax.set_ylabel("token-weighted prefix hit, %")
     ax.set_title(Path(result["trace"]).name)
@@ -222,7 +224,7 @@ def compare_cmd(
         t = Table(title=f"{wl.path.name}: {title}")
         t.add_column("policy")
         for h in head:
-            t.add_column(h, justify="right")
+            t.add_column(h, justify="right", no_wrap=True)
         for p in names:
             vals = [cells[(p, f)].get(metric) for f in fracs]
             if metric == "gap_closed":
