@@ -33,14 +33,6 @@ FEATURE_NAMES: tuple[str, ...] = (
     "first_touch",  # 1 if this block was never seen before
     "tail_x_first",  # crossed: min(pos_from_end, 3) * 2 + first_touch  (categorical 0..7)
 )
-AGE_NAMES: tuple[str, ...] = (
-    "log_age_s",  # log1p(seconds since this block's last access) at scoring time
-    "age_x_freq",  # crossed: age bucket (0..6) * 3 + min(freq before that access, 2)
-    "age_x_tail",  # crossed: age bucket (0..6) * 2 + partial_tail
-)
-ALL_NAMES: tuple[str, ...] = FEATURE_NAMES + AGE_NAMES
-N_ALL = len(ALL_NAMES)
-_AGE_EDGES_S = np.array([5.0, 20.0, 60.0, 150.0, 400.0, 1000.0])
 N_FEATURES = len(FEATURE_NAMES)
 
 
@@ -93,24 +85,10 @@ def request_features(
     return out
 
 
-def with_age(feats: FloatArray, age_ms: FloatArray) -> FloatArray:
-    """Append the age columns (:data:`AGE_NAMES`) to access features; ``age_ms`` per row, milliseconds."""
-    n = feats.shape[0]
-    out = np.empty((n, N_ALL), dtype=np.float64)
-    out[:, :N_FEATURES] = feats
-    age_s = np.maximum(age_ms, 0.0) / 1000.0
-    bucket = np.searchsorted(_AGE_EDGES_S, age_s, side="right").astype(np.float64)
-    out[:, N_FEATURES] = np.log1p(age_s)
-    out[:, N_FEATURES + 1] = bucket * 3.0 + np.minimum(np.expm1(feats[:, 9]).round(), 2.0)
-    out[:, N_FEATURES + 2] = bucket * 2.0 + feats[:, 1]
-    return out
-
-
 def fallback_logit(feats: FloatArray) -> FloatArray:
-    """Heuristic reuse log-odds used until the model is trained (rows from :func:`with_age`).
+    """Heuristic reuse log-odds used until the model is trained (unitless).
 
-    Recency first (about one unit of log-odds per minute of age, i.e. LRU order), then: a partial tail
-    block (the next turn rewrites it) is unlikely to return; blocks seen more than once are likelier to.
+    A partial tail block (the next turn rewrites it) is unlikely to return; blocks seen more than once
+    are likelier to return again.
     """
-    age_s = np.expm1(feats[:, N_FEATURES])
-    return -1.0 - 3.0 * feats[:, 1] + 0.5 * np.minimum(feats[:, 9], 3.0) - age_s / 60.0
+    return -1.0 - 3.0 * feats[:, 1] + 0.5 * np.minimum(feats[:, 9], 3.0)

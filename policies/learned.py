@@ -1,18 +1,18 @@
 """``learned``: reuse predictor + prefix-closed planner (admission by bypass, leaf-first eviction).
 
-Every block access is scored by the predictor (or a recency heuristic until the first model is
-trained): the log-odds that the block is accessed again within ``horizon_s``, given its access
-features and its current *age* (time since that access). When the cache is full, the planner scores
-the resident leaves (all of them, or a seeded random sample when there are many), evicts the lowest,
-and re-scores a parent as soon as it becomes a leaf: eviction is leaf-only and the in-flight request
-is pinned, so the resident set stays prefix-closed. Admission is a bypass: a missed block is admitted
-only if it is likelier to return than the best eviction candidate; otherwise it and the rest of the
-request are not admitted.
+The predictor models the log-odds that a block is accessed again within the horizon ``h`` given its
+last access's features ``x`` and its age ``a`` as ``f(x) - a / tau``: ``f`` is a binned logistic
+model (a GAM) and ``tau`` (seconds) a learned linear age coefficient. Ranking resident blocks by their
+current odds is then ranking by the *static* key ``f(x) + t / tau`` (t = last access, seconds), so a
+heap serves eviction. Eviction pops the smallest key among resident leaves only (never a block whose
+child stays resident; the in-flight request's blocks are ancestors of the block being inserted), so the
+resident set stays prefix-closed. Admission is a bypass: a missed block is inserted and, if it is itself
+the smallest key, dropped again with the rest of the request.
 
-Causal: a training row is (access features, age a) -> "next access in (a, a + horizon]", used only
-once ``a + horizon`` has passed; ages are drawn from the ages the planner actually met at eviction.
-The model is refit every ``retrain_every`` requests on a bounded seeded sample. Pure, no I/O; state
-lives in numpy arrays.
+Causal: a training row is (features of an access, age a) -> "next access in (a, a + h]", used only
+once ``a + h`` has passed; ``h`` and the ages follow the cache's own time scale (ages of recently
+evicted blocks). Until the first fit, a heuristic (tail penalty, frequency bonus, ``tau`` = 60 s) is
+used. Refit every ``retrain_every`` requests on a bounded seeded sample. Pure, no I/O; numpy state.
 """
 
 from __future__ import annotations
@@ -24,13 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.policies.base import HitMask, Policy, Request
-from kvtier.policies.features import (
-    FEATURE_NAMES,
-    N_FEATURES,
-    fallback_logit,
-    request_features,
-    with_age,
-)
+from kvtier.policies.features import FEATURE_NAMES, N_FEATURES, fallback_logit, request_features
 from kvtier.policies.predictor import BinnedLogit, auc, brier, reliability, sigmoid
 
 _I64 = np.int64
@@ -50,18 +44,17 @@ class LearnedPolicy(Policy):
         retrain_every: int = 1000,
         max_train: int = 12000,
         min_class: int = 200,
+        tau_mode: str = "gap",
         event_buffer: int = 1 << 18,
-        pool_all: int = 256,
-        pool_sample: int = 128,
     ) -> None:
         super().__init__(capacity_blocks, seed=seed)
         self.horizon_ms = horizon_s * 1000.0
         self.retrain_every = retrain_every
         self.max_train = max_train
         self.min_class = min_class
-        self.pool_all = pool_all
-        self.pool_sample = pool_sample
-        self._rng = np.random.default_rng(seed)
+        self.tau_mode = tau_mode
+        self.fallback_tau_s = 60.0
+        self.tau_s = self.fallback_tau_s
         self._train_rng = np.random.default_rng(seed + 1)
         self.model = BinnedLogit(seed=seed)
         # block state, indexed by dense slot
@@ -76,18 +69,10 @@ class LearnedPolicy(Policy):
         self._last_ms = np.zeros(cap0, dtype=np.float64)
         self._turn = np.zeros(cap0, dtype=_I64)
         self._last_event = np.full(cap0, -1, dtype=_I64)
-        self._cpos = np.full(cap0, -1, dtype=_I64)  # row in _cx while resident
-        self._leaf_pos = np.full(cap0, -1, dtype=_I64)  # index in _leaves while a resident leaf
+        self._key = np.zeros(cap0, dtype=np.float64)
         self._n_slots = 0
         self._n_resident = 0
-        # features of each resident block's last access, one row per cache slot
-        self._cx = np.zeros((max(capacity_blocks, 1), N_FEATURES), dtype=np.float32)
-        self._free: list[int] = list(range(max(capacity_blocks, 1) - 1, -1, -1))
-        self._leaves: list[int] = []
-        # eviction candidates as they were scored: (event of their last access, age ms) -> training rows
-        self._cand_ev = np.zeros(1 << 16, dtype=_I64)
-        self._cand_age = np.zeros(1 << 16, dtype=np.float64)
-        self._n_cand = 0
+        self._heap: list[tuple[float, int]] = []
         self._evict_age = np.zeros(4096, dtype=np.float64)  # ages (ms) of recently evicted blocks
         self._n_evict_age = 0
         # ring of past accesses (features + outcome) for training and self-evaluation
@@ -127,8 +112,7 @@ class LearnedPolicy(Policy):
             ("_last_ms", 0.0),
             ("_turn", 0),
             ("_last_event", -1),
-            ("_cpos", -1),
-            ("_leaf_pos", -1),
+            ("_key", 0.0),
         ):
             old = getattr(self, name)
             arr = np.full(new, fill, dtype=old.dtype)
@@ -163,10 +147,6 @@ class LearnedPolicy(Policy):
     def __len__(self) -> int:
         return self._n_resident
 
-    def _score(self, x: npt.NDArray[np.float64], age_ms: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-        xa = with_age(x, age_ms)
-        return self.model.predict_logit(xa) if self.model.trained else fallback_logit(xa)
-
     def access(self, req: Request) -> HitMask:
         now = float(req.timestamp_ms)
         ids = np.asarray(req.hash_ids, dtype=_I64)
@@ -196,125 +176,80 @@ class LearnedPolicy(Policy):
             last_ms=self._last_ms[slots],
             children=self._children[slots],
         )
-        xa = with_age(x, np.zeros(n))
-        zf = fallback_logit(xa)
-        z = self.model.predict_logit(xa) if self.model.trained else zf
+        zf = fallback_logit(x)
+        z = self.model.predict_logit(x) if self.model.trained else zf
         self._record_events(slots, freq, x, z, zf, now)
         self._freq[slots] = freq + 1
         self._last_ms[slots] = now
         new = freq == 0
         if new.any():
             self._turn[slots[new]] = turn + 1
+        keys = z + (now / 1000.0) / self.tau_s
+        self._key[slots] = keys
         hit = self._resident[slots].copy()
-        self._serve(slots, hit, x, z, now)
+        self._serve(slots, hit, keys, now)
         self._maybe_retrain(now)
         return hit
 
     # ----------------------------------------------------------------- planner
-    def _leaf_add(self, s: int) -> None:
-        if self._leaf_pos[s] < 0:
-            self._leaf_pos[s] = len(self._leaves)
-            self._leaves.append(s)
-
-    def _leaf_remove(self, s: int) -> None:
-        i = int(self._leaf_pos[s])
-        if i >= 0:
-            last = self._leaves.pop()
-            if last != s:
-                self._leaves[i] = last
-                self._leaf_pos[last] = i
-            self._leaf_pos[s] = -1
-
     def _serve(
-        self,
-        slots: npt.NDArray[np.int64],
-        hit: npt.NDArray[np.bool_],
-        x: npt.NDArray[np.float64],
-        z: npt.NDArray[np.float64],
-        now: float,
+        self, slots: npt.NDArray[np.int64], hit: npt.NDArray[np.bool_], keys: npt.NDArray[np.float64], now: float
     ) -> None:
+        heap = self._heap
         res = self._resident
         rc = self._res_children
         sl = slots.tolist()
-        for i in np.flatnonzero(hit).tolist():  # refresh the features kept for resident blocks
-            self._cx[self._cpos[sl[i]]] = x[i]
+        for i in np.flatnonzero(hit).tolist():  # a hit leaf's key changed: push its new entry
+            s = sl[i]
+            if rc[s] == 0:
+                heapq.heappush(heap, (float(keys[i]), s))
         if self.capacity_blocks <= 0:
             return
         miss = np.flatnonzero(~hit)
         if miss.size == 0:
             return
         parent = self._parent
-        pin = set(sl)
-        pool: list[tuple[float, int]] | None = None
         for i in range(int(miss[0]), len(sl)):
             s = sl[i]
             p = int(parent[s])
             if res[s] or (p >= 0 and not res[p]):
                 break  # keep the resident set prefix-closed
-            if self._n_resident >= self.capacity_blocks:
-                if pool is None or not pool:
-                    pool = self._candidate_pool(pin, now)
-                if not pool:
-                    break  # everything resident is pinned by this request
-                if z[i] <= pool[0][0]:
-                    break  # bypass: the newcomer is the least likely to return
-                self._evict(heapq.heappop(pool)[1], pool, pin, now)
             res[s] = True
             self._n_resident += 1
-            c = self._free.pop()
-            self._cpos[s] = c
-            self._cx[c] = x[i]
             if p >= 0:
-                if rc[p] == 0:
-                    self._leaf_remove(p)
                 rc[p] += 1
-            self._leaf_add(s)
+            heapq.heappush(heap, (float(keys[i]), s))
+            if self._n_resident > self.capacity_blocks and self._evict_one(now) == s:
+                break  # bypass: the newcomer is the least likely to return; skip the rest
+        if len(heap) > 4 * self.capacity_blocks + 4096:
+            self._compact_heap()
 
-    def _candidate_pool(self, pin: set[int], now: float) -> list[tuple[float, int]]:
-        leaves = self._leaves
-        if len(leaves) <= self.pool_all:
-            cand = [s for s in leaves if s not in pin]
-        else:
-            pick = self._rng.choice(len(leaves), size=self.pool_sample, replace=False)
-            cand = [leaves[i] for i in sorted(pick.tolist()) if leaves[i] not in pin]
-        if not cand:
-            return []
-        ca = np.asarray(cand, dtype=_I64)
-        age = now - self._last_ms[ca]
-        self._note_candidates(ca, age)
-        sc = self._score(self._cx[self._cpos[ca]].astype(np.float64), age)
-        pool = list(zip(sc.tolist(), cand, strict=True))
-        heapq.heapify(pool)
-        return pool
-
-    def _evict(self, s: int, pool: list[tuple[float, int]], pin: set[int], now: float) -> None:
+    def _evict_one(self, now: float) -> int:
+        heap = self._heap
         res = self._resident
         rc = self._res_children
-        res[s] = False
-        self._n_resident -= 1
-        self._leaf_remove(s)
-        self._free.append(int(self._cpos[s]))
-        self._cpos[s] = -1
-        self._evicted.append(int(self._ids[s]))
-        self._evict_age[self._n_evict_age % self._evict_age.shape[0]] = now - self._last_ms[s]
-        self._n_evict_age += 1
-        p = int(self._parent[s])
-        if p >= 0:
-            rc[p] -= 1
-            if rc[p] == 0 and res[p]:
-                self._leaf_add(p)
-                if p not in pin:
-                    age = np.array([now - self._last_ms[p]])
-                    sc = self._score(self._cx[self._cpos[p]][None, :].astype(np.float64), age)
-                    heapq.heappush(pool, (float(sc[0]), p))
+        key = self._key
+        while heap:
+            k, s = heapq.heappop(heap)
+            if res[s] and rc[s] == 0 and key[s] == k:
+                res[s] = False
+                self._n_resident -= 1
+                p = int(self._parent[s])
+                if p >= 0:
+                    rc[p] -= 1
+                    if rc[p] == 0 and res[p]:
+                        heapq.heappush(heap, (float(key[p]), p))
+                self._evicted.append(int(self._ids[s]))
+                self._evict_age[self._n_evict_age % self._evict_age.shape[0]] = now - self._last_ms[s]
+                self._n_evict_age += 1
+                return s
+        raise RuntimeError("over capacity with no evictable leaf")  # unreachable: some leaf always exists
 
-    def _note_candidates(self, ca: npt.NDArray[np.int64], age: npt.NDArray[np.float64]) -> None:
-        k = self._cand_ev.shape[0]
-        m = min(ca.shape[0], 16)
-        pos = (self._n_cand + np.arange(m)) % k
-        self._cand_ev[pos] = self._last_event[ca[:m]]
-        self._cand_age[pos] = age[:m]
-        self._n_cand += m
+    def _compact_heap(self) -> None:
+        n = self._n_slots
+        leaves = np.flatnonzero(self._resident[:n] & (self._res_children[:n] == 0))
+        self._heap = list(zip(self._key[leaves].tolist(), leaves.tolist(), strict=True))
+        heapq.heapify(self._heap)
 
     # ----------------------------------------------------------------- learning
     def _record_events(
@@ -368,48 +303,57 @@ class LearnedPolicy(Policy):
         lo, hi = self._labelled_range(now - hz)
         if hi <= lo:
             return
-        # admission rows: recent accesses at age 0, label "next access within the horizon"
         start = max(lo, hi - 4 * self.max_train)
         idx = np.arange(start, hi, dtype=_I64)
-        n_adm = self.max_train // 2
-        if idx.size > n_adm:
-            idx = np.sort(self._train_rng.choice(idx, size=n_adm, replace=False))
-        ev = [idx]
-        ages = [np.zeros(idx.size)]
-        # eviction rows: leaves the planner actually scored, at the age it scored them
-        k = min(self._n_cand, self._cand_ev.shape[0])
-        if k:
-            cev = self._cand_ev[:k]
-            cage = self._cand_age[:k]
-            live = cev > self._n_events - self._E
-            cev, cage = cev[live], cage[live]
-            ok = self._ev_t[cev % self._E] + cage + hz <= now
-            cev, cage = cev[ok], cage[ok]
-            if cev.size > self.max_train - idx.size:
-                pick = np.sort(self._train_rng.choice(cev.size, size=self.max_train - idx.size, replace=False))
-                cev, cage = cev[pick], cage[pick]
-            ev.append(cev)
-            ages.append(cage)
-        evs = np.concatenate(ev)
-        age = np.concatenate(ages)
-        pos = evs % self._E
+        if idx.size > self.max_train:
+            idx = np.sort(self._train_rng.choice(idx, size=self.max_train, replace=False))
+        pos = idx % self._E
+        t = self._ev_t[pos]
         gap = self._ev_gap[pos]
-        ok = gap > age  # a candidate is by definition not yet reused at its age
+        # half the rows at age 0 (admission), half at ages of recently evicted blocks (eviction)
+        age = np.zeros(idx.size)
+        k = min(self._n_evict_age, self._evict_age.shape[0])
+        if k:
+            half = self._train_rng.random(idx.size) < 0.5
+            age[half] = self._evict_age[self._train_rng.integers(0, k, size=int(half.sum()))]
+        ok = (gap > age) & (t + age + hz <= now)  # not yet reused at that age; label final
         y = (gap <= age + hz)[ok]
         npos = int(y.sum())
         if npos < self.min_class or y.size - npos < self.min_class:
             return
-        xa = with_age(self._ev_x[pos[ok]].astype(np.float64), age[ok])
-        self.model.fit(xa, y)
+        self.model.fit(self._ev_x[pos[ok]].astype(np.float64), y, linear=(age[ok] / 100_000.0)[:, None])
         self._n_retrains += 1
+        beta = float(self.model.linear_coef[0]) / 100.0  # log-odds per second of age
+        if self.tau_mode == "learned":
+            self.tau_s = float(np.clip(-1.0 / beta, 1.0, 1e6)) if beta < 0 else 1e6
+        elif self.tau_mode == "evict":
+            self.tau_s = hz / 4000.0
+        else:  # "gap": mean observed reuse gap within the horizon
+            g = gap[(gap <= hz)]
+            self.tau_s = float(np.clip(g.mean() / 1000.0, 1.0, hz / 1000.0)) if g.size else self.tau_s
+        self._rekey()
+
+    def _rekey(self) -> None:
+        """Recompute every resident block's key with the new model (its stored access features)."""
+        n = self._n_slots
+        res = np.flatnonzero(self._resident[:n])
+        if res.size == 0:
+            return
+        ev = self._last_event[res]
+        live = ev > self._n_events - self._E
+        z = np.where(live, 0.0, -10.0)  # a block whose access fell out of the ring: treat as cold
+        if live.any():
+            z[live] = self.model.predict_logit(self._ev_x[ev[live] % self._E].astype(np.float64))
+        self._key[res] = z + (self._last_ms[res] / 1000.0) / self.tau_s
+        self._compact_heap()
 
     def train_horizon_ms(self) -> float:
         """Training label horizon, ms: the cache's own time scale (mean age of recently evicted blocks),
-        bounded to [10 s, ``horizon_s``]; ``horizon_s`` until anything was evicted."""
+        bounded to [``horizon_s``, 2 x ``horizon_s``]; ``horizon_s`` until anything was evicted."""
         k = min(self._n_evict_age, self._evict_age.shape[0])
         if k == 0:
             return self.horizon_ms
-        return float(np.clip(self._evict_age[:k].mean(), 10_000.0, self.horizon_ms))
+        return float(np.clip(self._evict_age[:k].mean(), self.horizon_ms, 2.0 * self.horizon_ms))
 
     def _score_quality(self, lo: int, hi: int) -> None:
         if hi <= lo:
@@ -456,6 +400,7 @@ class LearnedPolicy(Policy):
             "positive_rate": float(y.mean()),
             "horizon_s": self.horizon_ms / 1000.0,
             "train_horizon_s": self.train_horizon_ms() / 1000.0,
+            "tau_s": self.tau_s,
             "auc": auc(y, z),
             "auc_first_touch": auc(y[first], z[first]),
             "auc_retouched": auc(y[~first], z[~first]),
@@ -477,6 +422,7 @@ class LearnedPolicy(Policy):
             "known": True,
             "resident": bool(self._resident[s]),
             "leaf": bool(self._res_children[s] == 0),
+            "key": float(self._key[s]),
             "freq": int(self._freq[s]),
             "last_access_ms": float(self._last_ms[s]),
             "model_trained": self.model.trained,
@@ -485,5 +431,6 @@ class LearnedPolicy(Policy):
             pos = e % self._E
             x = self._ev_x[pos].astype(np.float64)
             out["features"] = dict(zip(FEATURE_NAMES, x.tolist(), strict=True))
-            out["reuse_probability_at_access"] = float(sigmoid(self._score(x[None, :], np.zeros(1)))[0])
+            zz = self.model.predict_logit(x[None, :]) if self.model.trained else fallback_logit(x[None, :])
+            out["reuse_probability_at_access"] = float(sigmoid(zz)[0])
         return out

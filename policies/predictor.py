@@ -20,7 +20,11 @@ BoolArray = npt.NDArray[np.bool_]
 
 
 class BinnedLogit:
-    """Per-feature quantile bins -> one-hot -> L2 logistic regression; predicts reuse log-odds."""
+    """Per-feature quantile bins -> one-hot -> L2 logistic regression; predicts reuse log-odds.
+
+    Optional raw ``linear`` columns (e.g. age) enter the regression unbinned; their coefficients are
+    ``linear_coef`` and they are *not* part of :meth:`predict_logit` (the caller adds them).
+    """
 
     def __init__(self, *, n_bins: int = 12, c: float = 1.0, seed: int = 0) -> None:
         self.n_bins = n_bins
@@ -30,6 +34,7 @@ class BinnedLogit:
         self.offsets: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
         self.weights: FloatArray = np.zeros(0)
         self.intercept = 0.0
+        self.linear_coef: FloatArray = np.zeros(0)
         self.trained = False
         self.n_train = 0
 
@@ -39,8 +44,8 @@ class BinnedLogit:
             idx[:, f] = np.searchsorted(e, x[:, f], side="right")
         return idx + self.offsets
 
-    def fit(self, x: FloatArray, y: BoolArray) -> None:
-        """Fit on rows ``x`` (n, features) with binary labels ``y``; needs both classes."""
+    def fit(self, x: FloatArray, y: BoolArray, linear: FloatArray | None = None) -> None:
+        """Fit on rows ``x`` (n, features) [+ raw ``linear`` (n, k)] with binary labels ``y``."""
         y = np.asarray(y, dtype=bool)
         if y.all() or not y.any():
             raise ValueError("need both positive and negative labels to train")
@@ -56,12 +61,15 @@ class BinnedLogit:
         self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         idx = self._bin(x)
         n, nf = idx.shape
-        onehot = sparse.csr_matrix(
-            (np.ones(n * nf), idx.ravel(), np.arange(0, n * nf + 1, nf)), shape=(n, int(sizes.sum()))
-        )
-        model = LogisticRegression(C=self.c, max_iter=300, random_state=self.seed)
+        nb = int(sizes.sum())
+        onehot = sparse.csr_matrix((np.ones(n * nf), idx.ravel(), np.arange(0, n * nf + 1, nf)), shape=(n, nb))
+        if linear is not None:
+            onehot = sparse.hstack([onehot, sparse.csr_matrix(linear)], format="csr")
+        model = LogisticRegression(C=self.c, max_iter=200, tol=1e-3, random_state=self.seed)
         model.fit(onehot, y)
-        self.weights = model.coef_[0].astype(np.float64)
+        coef = model.coef_[0].astype(np.float64)
+        self.weights = coef[:nb]
+        self.linear_coef = coef[nb:]
         self.intercept = float(model.intercept_[0])
         self.trained = True
         self.n_train = n
