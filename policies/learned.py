@@ -42,7 +42,7 @@ class LearnedPolicy(Policy):
         seed: int = 0,
         horizon_s: float = 300.0,
         retrain_every: int = 1000,
-        max_train: int = 12000,
+        max_train: int = 8000,
         min_class: int = 200,
         tau_mode: str = "gap",
         event_buffer: int = 1 << 18,
@@ -73,6 +73,7 @@ class LearnedPolicy(Policy):
         self._n_slots = 0
         self._n_resident = 0
         self._heap: list[tuple[float, int]] = []
+        self._views()
         self._evict_age = np.zeros(4096, dtype=np.float64)  # ages (ms) of recently evicted blocks
         self._n_evict_age = 0
         # ring of past accesses (features + outcome) for training and self-evaluation
@@ -118,6 +119,16 @@ class LearnedPolicy(Policy):
             arr = np.full(new, fill, dtype=old.dtype)
             arr[:size] = old
             setattr(self, name, arr)
+        self._views()
+
+    def _views(self) -> None:
+        """Memoryviews over the per-block arrays: fast scalar access in the planner's Python loops."""
+        self._v_res = memoryview(self._resident)
+        self._v_rc = memoryview(self._res_children)
+        self._v_key = memoryview(self._key)
+        self._v_par = memoryview(self._parent)
+        self._v_ids = memoryview(self._ids)
+        self._v_last = memoryview(self._last_ms)
 
     def _slots_for(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         get = self._slot.get
@@ -196,29 +207,30 @@ class LearnedPolicy(Policy):
         self, slots: npt.NDArray[np.int64], hit: npt.NDArray[np.bool_], keys: npt.NDArray[np.float64], now: float
     ) -> None:
         heap = self._heap
-        res = self._resident
-        rc = self._res_children
+        res = self._v_res
+        rc = self._v_rc
         sl = slots.tolist()
         for i in np.flatnonzero(hit).tolist():  # a hit leaf's key changed: push its new entry
             s = sl[i]
             if rc[s] == 0:
-                heapq.heappush(heap, (float(keys[i]), s))
+                heapq.heappush(heap, (self._v_key[s], s))
         if self.capacity_blocks <= 0:
             return
         miss = np.flatnonzero(~hit)
         if miss.size == 0:
             return
-        parent = self._parent
+        parent = self._v_par
+        kl = keys.tolist()
         for i in range(int(miss[0]), len(sl)):
             s = sl[i]
-            p = int(parent[s])
+            p = parent[s]
             if res[s] or (p >= 0 and not res[p]):
                 break  # keep the resident set prefix-closed
             res[s] = True
             self._n_resident += 1
             if p >= 0:
                 rc[p] += 1
-            heapq.heappush(heap, (float(keys[i]), s))
+            heapq.heappush(heap, (kl[i], s))
             if self._n_resident > self.capacity_blocks and self._evict_one(now) == s:
                 break  # bypass: the newcomer is the least likely to return; skip the rest
         if len(heap) > 4 * self.capacity_blocks + 4096:
@@ -226,21 +238,22 @@ class LearnedPolicy(Policy):
 
     def _evict_one(self, now: float) -> int:
         heap = self._heap
-        res = self._resident
-        rc = self._res_children
-        key = self._key
+        res = self._v_res
+        rc = self._v_rc
+        key = self._v_key
+        pop = heapq.heappop
         while heap:
-            k, s = heapq.heappop(heap)
+            k, s = pop(heap)
             if res[s] and rc[s] == 0 and key[s] == k:
                 res[s] = False
                 self._n_resident -= 1
-                p = int(self._parent[s])
+                p = self._v_par[s]
                 if p >= 0:
                     rc[p] -= 1
                     if rc[p] == 0 and res[p]:
-                        heapq.heappush(heap, (float(key[p]), p))
-                self._evicted.append(int(self._ids[s]))
-                self._evict_age[self._n_evict_age % self._evict_age.shape[0]] = now - self._last_ms[s]
+                        heapq.heappush(heap, (key[p], p))
+                self._evicted.append(self._v_ids[s])
+                self._evict_age[self._n_evict_age % self._evict_age.shape[0]] = now - self._v_last[s]
                 self._n_evict_age += 1
                 return s
         raise RuntimeError("over capacity with no evictable leaf")  # unreachable: some leaf always exists

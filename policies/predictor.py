@@ -17,6 +17,7 @@ from sklearn.linear_model import LogisticRegression
 
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
+_SPAN = 1e6  # feature values are clipped to [-_SPAN, _SPAN] before binning
 
 
 class BinnedLogit:
@@ -35,14 +36,16 @@ class BinnedLogit:
         self.weights: FloatArray = np.zeros(0)
         self.intercept = 0.0
         self.linear_coef: FloatArray = np.zeros(0)
+        self._shift: FloatArray = np.zeros(0)
+        self._fidx: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+        self._all_edges: FloatArray = np.zeros(0)
         self.trained = False
         self.n_train = 0
 
     def _bin(self, x: FloatArray) -> npt.NDArray[np.int64]:
-        idx = np.empty(x.shape, dtype=np.int64)
-        for f, e in enumerate(self.edges):
-            idx[:, f] = np.searchsorted(e, x[:, f], side="right")
-        return idx + self.offsets
+        """Global one-hot column per (row, feature): one searchsorted over feature-shifted edges."""
+        shifted = np.clip(x, -_SPAN, _SPAN) + self._shift
+        return np.searchsorted(self._all_edges, shifted.ravel(), side="right").reshape(x.shape) + self._fidx
 
     def fit(self, x: FloatArray, y: BoolArray, linear: FloatArray | None = None) -> None:
         """Fit on rows ``x`` (n, features) [+ raw ``linear`` (n, k)] with binary labels ``y``."""
@@ -58,6 +61,12 @@ class BinnedLogit:
             else:
                 self.edges.append(np.unique(np.quantile(x[:, f], qs)))
         sizes = np.array([len(e) + 1 for e in self.edges], dtype=np.int64)
+        nfeat = len(self.edges)
+        self._shift = np.arange(nfeat, dtype=np.float64) * (4.0 * _SPAN)
+        self._fidx = np.arange(nfeat, dtype=np.int64)
+        self._all_edges = np.concatenate(
+            [np.clip(e, -_SPAN, _SPAN) + self._shift[f] for f, e in enumerate(self.edges)]
+        )
         self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         idx = self._bin(x)
         n, nf = idx.shape
@@ -65,7 +74,7 @@ class BinnedLogit:
         onehot = sparse.csr_matrix((np.ones(n * nf), idx.ravel(), np.arange(0, n * nf + 1, nf)), shape=(n, nb))
         if linear is not None:
             onehot = sparse.hstack([onehot, sparse.csr_matrix(linear)], format="csr")
-        model = LogisticRegression(C=self.c, max_iter=200, tol=1e-3, random_state=self.seed)
+        model = LogisticRegression(C=self.c, max_iter=100, tol=1e-3, random_state=self.seed)
         model.fit(onehot, y)
         coef = model.coef_[0].astype(np.float64)
         self.weights = coef[:nb]
