@@ -123,12 +123,12 @@ class LearnedPolicy(Policy):
 
     def _views(self) -> None:
         """Memoryviews over the per-block arrays: fast scalar access in the planner's Python loops."""
-        self._v_res = memoryview(self._resident)
-        self._v_rc = memoryview(self._res_children)
-        self._v_key = memoryview(self._key)
-        self._v_par = memoryview(self._parent)
-        self._v_ids = memoryview(self._ids)
-        self._v_last = memoryview(self._last_ms)
+        self._v_res = self._resident.data
+        self._v_rc = self._res_children.data
+        self._v_key = self._key.data
+        self._v_par = self._parent.data
+        self._v_ids = self._ids.data
+        self._v_last = self._last_ms.data
 
     def _slots_for(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         get = self._slot.get
@@ -204,7 +204,11 @@ class LearnedPolicy(Policy):
 
     # ----------------------------------------------------------------- planner
     def _serve(
-        self, slots: npt.NDArray[np.int64], hit: npt.NDArray[np.bool_], keys: npt.NDArray[np.float64], now: float
+        self,
+        slots: npt.NDArray[np.int64],
+        hit: npt.NDArray[np.bool_],
+        keys: npt.NDArray[np.float64],
+        now: float,
     ) -> None:
         heap = self._heap
         res = self._v_res

@@ -71,7 +71,9 @@ class BinnedLogit:
         idx = self._bin(x)
         n, nf = idx.shape
         nb = int(sizes.sum())
-        onehot = sparse.csr_matrix((np.ones(n * nf), idx.ravel(), np.arange(0, n * nf + 1, nf)), shape=(n, nb))
+        onehot = sparse.csr_matrix(
+            (np.ones(n * nf), idx.ravel(), np.arange(0, n * nf + 1, nf)), shape=(n, nb)
+        )
         if linear is not None:
             onehot = sparse.hstack([onehot, sparse.csr_matrix(linear)], format="csr")
         model = LogisticRegression(C=self.c, max_iter=100, tol=1e-3, random_state=self.seed)

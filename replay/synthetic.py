@@ -4,6 +4,8 @@
   each turn re-sends the previous prompt + answer + a new user message, sessions continue with a
   turn-dependent probability after an exponential think time. Only *full* 512-token blocks of the
   previous prompt keep their ids (a partial tail block's content changes when it is extended).
+* :func:`shared_document_trace` — retrieval/agent-style: each request = a system prompt + one of many
+  documents (Zipf popularity, so frequency matters) + a unique question; many blocks used once.
 * :func:`subsample_sessions` — keep a seeded random subset of a real trace's root-children chains.
 * :func:`time_stretch` — scale inter-arrival times (the trace replayed faster or slower).
 """
@@ -79,6 +81,43 @@ def _turn(sess: dict[str, object], t_ms: float, rng: np.random.Generator, bt: in
     return Request(t_ms, inp, out_len, np.array(ids, dtype=np.int64))
 
 
+def shared_document_trace(
+    n_requests: int = 4000,
+    *,
+    seed: int = 0,
+    block_tokens: int = 512,
+    n_docs: int = 3000,
+    zipf_a: float = 1.1,
+    doc_blocks: tuple[int, int] = (4, 120),
+    rate_per_s: float = 4.0,
+) -> list[Request]:
+    """``n_requests`` requests in arrival order (timestamps in ms)."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(doc_blocks[0], doc_blocks[1] + 1, size=n_docs)
+    next_id = 2
+    docs: list[list[int]] = []
+    for n in sizes.tolist():
+        docs.append([0, *range(next_id, next_id + n)])  # block 0: the shared system prompt (own chain: 1)
+        next_id += n
+    w = 1.0 / np.arange(1, n_docs + 1) ** zipf_a
+    order = rng.permutation(n_docs)
+    p = np.empty(n_docs)
+    p[order] = w / w.sum()
+    t = 0.0
+    out = []
+    for _ in range(n_requests):
+        t += rng.exponential(1000.0 / rate_per_s)
+        d = int(rng.choice(n_docs, p=p))
+        q_tokens = int(rng.integers(20, 1500))
+        ids = list(docs[d])
+        inp = len(ids) * block_tokens + q_tokens
+        while len(ids) * block_tokens < inp:
+            ids.append(next_id)
+            next_id += 1
+        out.append(Request(t, inp, int(rng.integers(20, 600)), np.array(ids, dtype=np.int64), block_tokens))
+    return out
+
+
 def subsample_sessions(reqs: Sequence[Request], keep: float, *, seed: int = 0) -> list[Request]:
     """Keep requests whose chain (the block under the common root, or the root) is in a random subset."""
     rng = np.random.default_rng(seed)
@@ -96,4 +135,7 @@ def subsample_sessions(reqs: Sequence[Request], keep: float, *, seed: int = 0) -
 
 def time_stretch(reqs: Sequence[Request], factor: float) -> list[Request]:
     """Same requests with timestamps multiplied by ``factor``."""
-    return [Request(r.timestamp_ms * factor, r.input_length, r.output_length, r.hash_ids, r.block_tokens) for r in reqs]
+    return [
+        Request(r.timestamp_ms * factor, r.input_length, r.output_length, r.hash_ids, r.block_tokens)
+        for r in reqs
+    ]

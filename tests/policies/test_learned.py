@@ -122,7 +122,11 @@ def test_quality_metrics_on_a_hand_made_case() -> None:
     assert auc(np.array([1, 1], dtype=bool), np.array([0.2, 0.3])) is None
     assert brier(np.array([0, 1], dtype=bool), np.array([0.5, 1.0])) == pytest.approx(0.125)
     bins = reliability(np.array([0, 1, 1, 0], dtype=bool), np.array([0.05, 0.95, 0.91, 0.5]), n_bins=10)
-    assert [(b["lo"], b["count"], b["observed"]) for b in bins] == [(0.0, 1, 0.0), (0.5, 1, 0.0), (0.9, 2, 1.0)]
+    assert [(b["lo"], b["count"], b["observed"]) for b in bins] == [
+        (0.0, 1, 0.0),
+        (0.5, 1, 0.0),
+        (0.9, 2, 1.0),
+    ]
 
 
 def test_cli_max_requests_writes_the_first_lines_of_the_full_run(tmp_path: Path) -> None:
@@ -131,8 +135,22 @@ def test_cli_max_requests_writes_the_first_lines_of_the_full_run(tmp_path: Path)
     for name, extra in (("full", []), ("head", ["--max-requests", "3000"])):
         f = tmp_path / f"{name}.jsonl"
         subprocess.run(
-            [sys.executable, "-m", "kvtier", "replay", "bundled", "--policy", "learned", "--capacity-blocks",
-             "3656", "--per-request", str(f), "--format", "json", *extra],
+            [
+                sys.executable,
+                "-m",
+                "kvtier",
+                "replay",
+                "bundled",
+                "--policy",
+                "learned",
+                "--capacity-blocks",
+                "3656",
+                "--per-request",
+                str(f),
+                "--format",
+                "json",
+                *extra,
+            ],
             check=True,
             stdout=subprocess.PIPE,
         )
