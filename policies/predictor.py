@@ -23,11 +23,16 @@ _SPAN = 1e6  # feature values are clipped to [-_SPAN, _SPAN] before binning
 class BinnedLogit:
     """Per-feature quantile bins -> one-hot -> L2 logistic regression; predicts reuse log-odds.
 
-    Optional raw ``linear`` columns (e.g. age) enter the regression unbinned; their coefficients are
-    ``linear_coef`` and they are *not* part of :meth:`predict_logit` (the caller adds them).
+    Columns ``linear_cols`` of ``x`` also enter raw (unbinned), so the model extrapolates beyond the top
+    bin (e.g. log frequency). Optional ``extra`` columns passed to :meth:`fit` (e.g. age) enter raw too;
+    their coefficients are ``extra_coef`` and they are *not* part of :meth:`predict_logit`.
     """
 
-    def __init__(self, *, n_bins: int = 12, c: float = 1.0, seed: int = 0) -> None:
+    def __init__(
+        self, *, n_bins: int = 12, c: float = 1.0, seed: int = 0, linear_cols: tuple[int, ...] = ()
+    ) -> None:
+        self.linear_cols = list(linear_cols)
+        self.lin_w: FloatArray = np.zeros(len(linear_cols))
         self.n_bins = n_bins
         self.c = c
         self.seed = seed
@@ -35,7 +40,7 @@ class BinnedLogit:
         self.offsets: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
         self.weights: FloatArray = np.zeros(0)
         self.intercept = 0.0
-        self.linear_coef: FloatArray = np.zeros(0)
+        self.extra_coef: FloatArray = np.zeros(0)
         self._shift: FloatArray = np.zeros(0)
         self._fidx: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
         self._all_edges: FloatArray = np.zeros(0)
@@ -47,8 +52,8 @@ class BinnedLogit:
         shifted = np.clip(x, -_SPAN, _SPAN) + self._shift
         return np.searchsorted(self._all_edges, shifted.ravel(), side="right").reshape(x.shape) + self._fidx
 
-    def fit(self, x: FloatArray, y: BoolArray, linear: FloatArray | None = None) -> None:
-        """Fit on rows ``x`` (n, features) [+ raw ``linear`` (n, k)] with binary labels ``y``."""
+    def fit(self, x: FloatArray, y: BoolArray, extra: FloatArray | None = None) -> None:
+        """Fit on rows ``x`` (n, features) [+ raw ``extra`` (n, k)] with binary labels ``y``."""
         y = np.asarray(y, dtype=bool)
         if y.all() or not y.any():
             raise ValueError("need both positive and negative labels to train")
@@ -74,13 +79,18 @@ class BinnedLogit:
         onehot = sparse.csr_matrix(
             (np.ones(n * nf), idx.ravel(), np.arange(0, n * nf + 1, nf)), shape=(n, nb)
         )
-        if linear is not None:
-            onehot = sparse.hstack([onehot, sparse.csr_matrix(linear)], format="csr")
+        raw = [x[:, self.linear_cols]] if self.linear_cols else []
+        if extra is not None:
+            raw.append(extra)
+        if raw:
+            onehot = sparse.hstack([onehot, sparse.csr_matrix(np.hstack(raw))], format="csr")
         model = LogisticRegression(C=self.c, max_iter=100, tol=1e-3, random_state=self.seed)
         model.fit(onehot, y)
         coef = model.coef_[0].astype(np.float64)
         self.weights = coef[:nb]
-        self.linear_coef = coef[nb:]
+        nl = len(self.linear_cols)
+        self.lin_w = coef[nb : nb + nl]
+        self.extra_coef = coef[nb + nl :]
         self.intercept = float(model.intercept_[0])
         self.trained = True
         self.n_train = n
@@ -91,7 +101,10 @@ class BinnedLogit:
             raise RuntimeError("model not trained")
         if x.shape[0] == 0:
             return np.zeros(0)
-        return self.intercept + self.weights[self._bin(x)].sum(axis=1)
+        z = self.intercept + self.weights[self._bin(x)].sum(axis=1)
+        if self.linear_cols:
+            z += x[:, self.linear_cols] @ self.lin_w
+        return z
 
 
 def sigmoid(z: FloatArray) -> FloatArray:
