@@ -19,8 +19,8 @@ from kvtier.policies.registry import get_policy, is_available
 from kvtier.replay.engine import replay
 from kvtier.replay.runner import load_workload
 
-NAMED = ["LRU", "FIFO", "ARC", "S3FIFO", "WTinyLFU", "LRB", "GLCache", "ThreeLCache", "LIRS", "TwoQ", "Cacheus",
-         "Sieve", "SLRU", "LFUDA"]  # fmt: skip
+NAMED = ["LRU", "FIFO", "ARC", "S3FIFO", "WTinyLFU", "LRB", "GLCache", "ThreeLCache"]
+NAMED += ["LIRS", "TwoQ", "Cacheus", "Sieve", "SLRU", "LFUDA"]
 ALL_EXTRA = ["LFU", "LeCaR", "LHD", "ClockPro", "Hyperbolic", "GDSF", "Clock", "LRUProb", "FlashProb", "MQ"]
 
 
