@@ -129,3 +129,15 @@ def test_remove(policy: str) -> None:
 def test_unknown_policy() -> None:
     with pytest.raises(KeyError, match="unknown policy 'nope'"):
         get_policy("nope", 10)
+
+
+def test_prefix_tokens_rule() -> None:
+    """Reusable tokens stop at the first missing block; all blocks hit -> whole input_length."""
+    from kvtier.replay.engine import prefix_tokens
+
+    r = Request(0.0, 1300, 1, np.asarray([1, 2, 3]))
+    assert [prefix_tokens(r, k) for k in range(4)] == [0, 512, 1024, 1300]
+    assert prefix_tokens(Request(0.0, 100, 1, np.zeros(0, dtype=np.int64)), 0) == 0
+    p = get_policy("lru", 10)
+    s = replay([r, Request(1.0, 1400, 1, np.asarray([1, 2, 9]))], p)
+    assert s.prefix_hit_tokens == 1024 and s.input_tokens == 2700 and s.block_hits == 2
