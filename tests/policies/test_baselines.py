@@ -141,3 +141,11 @@ def test_prefix_tokens_rule() -> None:
     p = get_policy("lru", 10)
     s = replay([r, Request(1.0, 1400, 1, np.asarray([1, 2, 9]))], p)
     assert s.prefix_hit_tokens == 1024 and s.input_tokens == 2700 and s.block_hits == 2
+
+
+def test_belady_refuses_unprepared_sequence() -> None:
+    p = get_policy("belady", 2)
+    p.prepare([req(1, 2), req(3)])
+    p.access(req(1, 2))
+    with pytest.raises(RuntimeError, match="differs"):
+        p.access(req(4))
