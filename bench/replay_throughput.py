@@ -69,8 +69,14 @@ def main(argv: list[str] | None = None) -> int:
             total += cpu
             rows.append((p, f, accesses / cpu, dt, s.prefix_hit_ratio))
         wall[p] = total
-    hdr = f"{'policy':<10} {'capacity':>8} {'M acc/s':>9} {'/ bare loop':>11} {'wall s':>7} {'prefix hit %':>13}"
-    print("\n" + hdr)
+    cols = ("policy", "capacity", "M acc/s", "/ bare loop", "wall s", "prefix hit %")
+    print(
+        "\n"
+        + " ".join(
+            f"{c:<10}" if i == 0 else f"{c:>{w}}"
+            for i, (c, w) in enumerate(zip(cols, (10, 8, 9, 11, 7, 13), strict=True))
+        )
+    )
     for p, f, rate, dt, ph in rows:
         print(f"{p:<10} {100 * f:>7g}% {rate / 1e6:>9.3f} {rate / bare:>11.2f} {dt:>7.2f} {100 * ph:>13.2f}")
     if "lru" in wall:
