@@ -104,8 +104,10 @@ class ReplayStats:
 
 
 def prefix_tokens(req: Request, n_lead: int) -> int:
-    """Reusable tokens of ``req`` given its first ``n_lead`` blocks hit."""
+    """Reusable tokens of ``req`` given its first ``n_lead`` blocks hit (0 for a request without blocks)."""
     n = len(req.hash_ids)
+    if n == 0:
+        return 0
     if n_lead >= n:
         return req.input_length
     return min(n_lead * req.block_tokens, req.input_length)
@@ -148,7 +150,7 @@ def replay(
         if hits.shape != (n,):
             raise RuntimeError(f"policy {policy.name} returned {hits.shape} hits for {n} blocks")
         nh = int(np.count_nonzero(hits))
-        lead = n if nh == n else int(np.argmin(hits))
+        lead = n if nh == n else int(hits.argmin())
         pt = prefix_tokens(req, lead)
         acc += n
         hits_total += nh

@@ -129,3 +129,37 @@ def test_remove(policy: str) -> None:
 def test_unknown_policy() -> None:
     with pytest.raises(KeyError, match="unknown policy 'nope'"):
         get_policy("nope", 10)
+
+
+def test_prefix_tokens_rule() -> None:
+    """Reusable tokens stop at the first missing block; all blocks hit -> whole input_length."""
+    from kvtier.replay.engine import prefix_tokens
+
+    r = Request(0.0, 1300, 1, np.asarray([1, 2, 3]))
+    assert [prefix_tokens(r, k) for k in range(4)] == [0, 512, 1024, 1300]
+    assert prefix_tokens(Request(0.0, 100, 1, np.zeros(0, dtype=np.int64)), 0) == 0
+    p = get_policy("lru", 10)
+    s = replay([r, Request(1.0, 1400, 1, np.asarray([1, 2, 9]))], p)
+    assert s.prefix_hit_tokens == 1024 and s.input_tokens == 2700 and s.block_hits == 2
+
+
+def test_belady_refuses_unprepared_sequence() -> None:
+    p = get_policy("belady", 2)
+    p.prepare([req(1, 2), req(3)])
+    p.access(req(1, 2))
+    with pytest.raises(RuntimeError, match="differs"):
+        p.access(req(4))
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
+def test_bulk_path_equals_exact_loop(policy: str) -> None:
+    """LRU/FIFO serve requests in bulk when provably equivalent; compare with the per-block loop."""
+    reqs = random_tree_trace(400, seed=11) + [req(5, 5, 6), req(6, 7, 6)]  # incl. repeated ids
+    for cap in (1, 3, 8, 30, 200):
+        bulk, exact = get_policy(policy, cap), get_policy(policy, cap)
+        for r in reqs:
+            a = bulk.access(r)
+            b = exact._access_exact(r.hash_ids.tolist())  # type: ignore[attr-defined]
+            assert a.tolist() == b.tolist()
+            assert bulk.drain_evicted() == exact.drain_evicted()
+            assert list(bulk._od) == list(exact._od)  # type: ignore[attr-defined]

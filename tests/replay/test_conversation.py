@@ -64,7 +64,7 @@ def libcachesim_run(cls: type, cap: int) -> tuple[int, int, int]:
 
 
 @pytest.mark.parametrize("frac", FRACTIONS)
-@pytest.mark.parametrize(("policy", "cls"), [("lru", lcs.LRU), ("fifo", lcs.FIFO)])
+@pytest.mark.parametrize(("policy", "cls"), [("lru", lcs.LRU), ("fifo", lcs.FIFO), ("arc", lcs.ARC)])
 def test_equals_libcachesim(policy: str, cls: type, frac: float) -> None:
     _, d = trace()
     ours = result(policy, frac)
