@@ -91,7 +91,7 @@ class FakeEngine:
         py = require_env("KVTIER_LMCACHE_PYTHON")
         out = self.server.workdir / f"fake_engine_{self.seed}.out"
         out.unlink(missing_ok=True)
-        self.proc = start([py, str(HERE / "lmcache_fake_engine.py"), "--url", self.server.zmq_url,
+        self.proc = start([py, str(HERE / "scripts" / "lmcache_fake_engine.py"), "--url", self.server.zmq_url,
                            "--model", self.model, "--seed", str(self.seed), "--tokens", str(self.tokens),
                            "--out", str(out)], self.server.workdir / f"fake_engine_{self.seed}.log")
         self.result = wait_for(lambda: json.loads(out.read_text()) if out.exists() else None, timeout_s,
