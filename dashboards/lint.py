@@ -71,7 +71,7 @@ def sources_of(expr: str) -> set[str]:
 
 
 def substitute(expr: str, variables: Mapping[str, str] | None = None) -> str:
-    """Replace ``$var`` / ``${var}`` with ``variables`` (default: :data:`DEFAULT_VARS`, any other = ``.*``)."""
+    """Replace ``$var`` / ``${var}`` with ``variables`` (default :data:`DEFAULT_VARS`; others ``.*``)."""
     values = dict(DEFAULT_VARS)
     values.update(variables or {})
 
@@ -116,8 +116,15 @@ def queries(dashboards: Mapping[str, dict[str, Any]]) -> list[Query]:
                 out.append(Query(name, 0, f"${v['name']}", f"var:{v['name']}", expr))
         for p in _panels(d.get("panels", [])):
             for t in p.get("targets", []):
-                out.append(Query(name, int(p.get("id", -1)), str(p.get("title", "")), str(t.get("refId")),
-                                 str(t.get("expr", ""))))
+                out.append(
+                    Query(
+                        name,
+                        int(p.get("id", -1)),
+                        str(p.get("title", "")),
+                        str(t.get("refId")),
+                        str(t.get("expr", "")),
+                    )
+                )
     return out
 
 
@@ -143,8 +150,9 @@ def _ds_refs(node: Any, where: str) -> Iterator[tuple[str, Any]]:
 def lint(dashboards: Mapping[str, dict[str, Any]], datasource_uids: set[str] | None = None) -> list[str]:
     """Problems: missing uid/title/schemaVersion, duplicate uids or panel ids, panels without queries,
     empty expressions, unresolvable datasource references, undefined variables. Empty list = clean."""
-    uids_ok = {"-- Grafana --"} | (datasource_uids if datasource_uids is not None
-                                   else provisioned_datasource_uids())
+    uids_ok = {"-- Grafana --"} | (
+        datasource_uids if datasource_uids is not None else provisioned_datasource_uids()
+    )
     problems: list[str] = []
     seen_uids: dict[str, str] = {}
     for name, d in dashboards.items():

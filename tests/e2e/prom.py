@@ -1,4 +1,4 @@
-"""Start a REAL Prometheus (Debian's ``prometheus``) on a free 127.0.0.1 port, scraping given targets, and talk
+"""Start a REAL Prometheus (Debian's ``prometheus``) on a free 127.0.0.1 port scraping given targets; talk
 to its HTTP API. ``promtool`` helpers for rule checks live here too.
 
     with running({"vllm": ["127.0.0.1:8000"]}, rule_files=[...]) as prom:
@@ -30,11 +30,15 @@ def binary(name: str) -> str:
     """Path of ``prometheus`` or ``promtool``; raises :class:`PrometheusMissing` (tests then FAIL)."""
     path = shutil.which(name)
     if not path:
-        raise PrometheusMissing(f"{name} not on PATH: run scripts/setup-peers.sh (apt-get install prometheus)")
+        raise PrometheusMissing(
+            f"{name} not on PATH: run scripts/setup-peers.sh (apt-get install prometheus)"
+        )
     return path
 
 
-def config_yaml(jobs: dict[str, Sequence[str]], rule_files: Sequence[Path] = (), interval_s: float = 1.0) -> str:
+def config_yaml(
+    jobs: dict[str, Sequence[str]], rule_files: Sequence[Path] = (), interval_s: float = 1.0
+) -> str:
     """A prometheus.yml scraping each job's ``host:port`` targets every ``interval_s`` seconds."""
     lines = [
         "global:",
@@ -69,16 +73,31 @@ class Prometheus:
     def log(self) -> Path:
         return self.workdir / "prometheus.log"
 
-    def start(self, jobs: dict[str, Sequence[str]], rule_files: Sequence[Path] = (), interval_s: float = 1.0,
-              timeout_s: float = 60.0) -> Prometheus:
+    def start(
+        self,
+        jobs: dict[str, Sequence[str]],
+        rule_files: Sequence[Path] = (),
+        interval_s: float = 1.0,
+        timeout_s: float = 60.0,
+    ) -> Prometheus:
         self.jobs = {k: list(v) for k, v in jobs.items()}
         cfg = self.workdir / "prometheus.yml"
         cfg.write_text(config_yaml(jobs, rule_files, interval_s))
-        cmd = [binary("prometheus"), f"--config.file={cfg}", f"--storage.tsdb.path={self.workdir / 'data'}",
-               f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"]
+        cmd = [
+            binary("prometheus"),
+            f"--config.file={cfg}",
+            f"--storage.tsdb.path={self.workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--log.level=warn",
+        ]
         self.proc = start(cmd, self.log, cwd=self.workdir)
-        wait_for(lambda: httpx.get(self.url + "/-/ready", timeout=2).status_code == 200, timeout_s,
-                 "prometheus", proc=self.proc, log=self.log)
+        wait_for(
+            lambda: httpx.get(self.url + "/-/ready", timeout=2).status_code == 200,
+            timeout_s,
+            "prometheus",
+            proc=self.proc,
+            log=self.log,
+        )
         return self
 
     def stop(self) -> None:
@@ -127,8 +146,14 @@ class Prometheus:
                     return False
             return True
 
-        wait_for(ok, timeout_s, f"prometheus scraping {sorted(jobs)} ({self.targets_summary()})",
-                 interval_s=0.5, proc=self.proc, log=self.log)
+        wait_for(
+            ok,
+            timeout_s,
+            f"prometheus scraping {sorted(jobs)} ({self.targets_summary()})",
+            interval_s=0.5,
+            proc=self.proc,
+            log=self.log,
+        )
 
     def wait_until(self, expr: str, pred: Callable[[float], bool], timeout_s: float = 60.0) -> float:
         """Poll an instant query until its first value satisfies ``pred``; returns that value."""
@@ -139,12 +164,16 @@ class Prometheus:
                 return float(res[0]["value"][1]) or 1e-300
             return None
 
-        return float(wait_for(ok, timeout_s, f"prometheus: {expr}", interval_s=0.5, proc=self.proc, log=self.log))
+        return float(
+            wait_for(ok, timeout_s, f"prometheus: {expr}", interval_s=0.5, proc=self.proc, log=self.log)
+        )
 
     def targets_summary(self) -> str:
         try:
-            return ", ".join(f"{t['labels'].get('job')}={t['health']} {t.get('lastError', '')}".strip()
-                             for t in self.targets())
+            return ", ".join(
+                f"{t['labels'].get('job')}={t['health']} {t.get('lastError', '')}".strip()
+                for t in self.targets()
+            )
         except Exception as e:  # noqa: BLE001 - only for an error message
             return f"targets unavailable: {e}"
 
@@ -154,8 +183,9 @@ class PromQLError(RuntimeError):
 
 
 @contextlib.contextmanager
-def running(jobs: dict[str, Sequence[str]], rule_files: Sequence[Path] = (), interval_s: float = 1.0
-            ) -> Iterator[Prometheus]:
+def running(
+    jobs: dict[str, Sequence[str]], rule_files: Sequence[Path] = (), interval_s: float = 1.0
+) -> Iterator[Prometheus]:
     """Start Prometheus in a temp dir; always stop it and delete the TSDB on exit."""
     wd = Path(tempfile.mkdtemp(prefix="kvtier-prom-"))
     prom = Prometheus(wd)
@@ -167,7 +197,15 @@ def running(jobs: dict[str, Sequence[str]], rule_files: Sequence[Path] = (), int
         shutil.rmtree(wd, ignore_errors=True)
 
 
-def promtool(*args: str | Path, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+def promtool(
+    *args: str | Path, cwd: Path | None = None, timeout_s: float = 120.0
+) -> subprocess.CompletedProcess[str]:
     """Run ``promtool`` and capture its output (text)."""
-    return subprocess.run([binary("promtool"), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout_s, check=False)
+    return subprocess.run(
+        [binary("promtool"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+        cwd=cwd,
+    )
