@@ -182,6 +182,7 @@ class Result:
     expr: str
     series: int = 0
     nan: int = 0
+    sample: str = ""  # first value, for the report
     error: str = ""
     validated: bool = True
 
@@ -196,7 +197,7 @@ class Result:
             state = "EMPTY"
         else:
             state = "ok" + (f" ({self.nan} NaN)" if self.nan else "")
-        return f"{state:<15} {self.series:>3} series  [{src}]  {self.query}"
+        return f"{state:<15} {self.series:>3} series  [{src}]  {self.query}  {self.sample}"
 
 
 def evaluate(prom: promlib.Prometheus, scraped: set[str], at: float) -> list[Result]:
@@ -215,6 +216,7 @@ def evaluate(prom: promlib.Prometheus, scraped: set[str], at: float) -> list[Res
                 vec = prom.query(expr, at=at)
                 res.series = len(vec)
                 res.nan = sum(1 for v in vec if v["value"][1] in ("NaN", "+Inf", "-Inf"))
+                res.sample = f"= {float(vec[0]['value'][1]):.4g}" if vec else ""
         except promlib.PromQLError as e:
             res.error = str(e)
         out.append(res)
