@@ -223,16 +223,21 @@ def evaluate(prom: promlib.Prometheus, scraped: set[str], at: float) -> list[Res
     return out
 
 
-def test_every_dashboard_query_returns_data(stack: Stack, prometheus: promlib.Prometheus) -> None:
-    scraped = set(SCRAPED)
+@pytest.fixture(scope="module")
+def traffic(stack: Stack, prometheus: promlib.Prometheus) -> int:
+    """Run :func:`drive_traffic` once; wait until Prometheus scraped its effects. Returns requests sent."""
     before = prometheus.query("sum(vllm:request_success_total)")
     base = float(before[0]["value"][1]) if before else 0.0
     lookups = prometheus.query("sum(lmcache_mp_lookups_requests_total)")
     lookups_base = float(lookups[0]["value"][1]) if lookups else 0.0
     sent = drive_traffic(stack)
-    # the traffic is visible in Prometheus once a scrape after it landed
     prometheus.wait_until("sum(vllm:request_success_total)", lambda v: v >= base + sent, timeout_s=120)
     prometheus.wait_until("sum(lmcache_mp_lookups_requests_total)", lambda v: v > lookups_base, timeout_s=120)
+    return sent
+
+
+def test_every_dashboard_query_returns_data(prometheus: promlib.Prometheus, traffic: int) -> None:
+    scraped = set(SCRAPED)
     results = evaluate(prometheus, scraped, at=time.time())
 
     print(f"\n== {len(results)} dashboard expressions against Prometheus scraping {sorted(scraped)} ==")
@@ -258,7 +263,7 @@ def test_every_dashboard_query_returns_data(stack: Stack, prometheus: promlib.Pr
         assert any(r.validated and r.series and src in r.query.sources for r in results), src
 
 
-def test_alert_rules_evaluate_on_live_data(prometheus: promlib.Prometheus) -> None:
+def test_alert_rules_evaluate_on_live_data(prometheus: promlib.Prometheus, traffic: int) -> None:
     assert RULES, "no rule files under deploy/prometheus/rules"
 
     def evaluated() -> list[dict[str, object]] | None:
@@ -282,5 +287,9 @@ def test_alert_rules_evaluate_on_live_data(prometheus: promlib.Prometheus) -> No
     )
     assert rec
     for name in rec:
-        series = wait_for(lambda n=name: prometheus.query(n), 120, f"recording rule {name} has series")
+        series = wait_for(
+            lambda n=name: [s for s in prometheus.query(n) if s["value"][1] not in ("NaN", "0")],
+            120,
+            f"recording rule {name} has a non-zero, non-NaN series (the traffic of the first test)",
+        )
         print(f"{name}: {[(s['metric'], s['value'][1]) for s in series]}")
