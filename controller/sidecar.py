@@ -110,7 +110,7 @@ class Sidecar:
                                   timeout_s=settings.http_timeout_s, **kw)  # fmt: skip
             )
         for url in settings.lmcache_urls:
-            self.cache_collectors.append(self._cache_collector("lmcache_mp", "LmcacheMpCollector", url, kw))
+            self.cache_collectors.append(self._cache_collector("lmcache_mp", "LMCacheMPCollector", url, kw))
         for url in settings.mooncake_urls:
             self.cache_collectors.append(self._cache_collector("mooncake", "MooncakeCollector", url, kw))
         if settings.storage_enabled:
