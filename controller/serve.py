@@ -13,7 +13,9 @@ def serve(
     lmcache_url: list[str] = typer.Option(None, "--lmcache-url", help="LMCache MP server URL (repeatable)."),
     mooncake_url: list[str] = typer.Option(None, "--mooncake-url", help="Mooncake master URL (repeatable)."),
     listen: str = typer.Option(None, "--listen", help="HOST:PORT to serve on [127.0.0.1:8787]."),
-    config: Path = typer.Option(None, "--config", help="Config file (JSON or TOML); KVTIER_* env overrides it."),
+    config: Path = typer.Option(
+        None, "--config", help="Config file (JSON or TOML); KVTIER_* env overrides it."
+    ),
 ) -> None:
     """Watch vLLM (metrics + KV events), cache layers and storage; serve /metrics, /v1/status, /readyz."""
     import uvicorn
@@ -28,7 +30,9 @@ def serve(
             mooncake_urls=mooncake_url or None, listen=listen,
         )  # fmt: skip
         host, port = settings.listen_host_port
-        logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
         sidecar = Sidecar(settings)
     except (PeerNotAvailable, ValueError, OSError) as exc:
         typer.echo(f"kvtier serve: {exc}", err=True)

@@ -125,11 +125,13 @@ def test_counts_index_ratio_match_vllm(srv: vllm_peer.VllmServer, side: sidecar_
     assert [s.value for s in m.get("kvtier_kv_events_lost_total")] == [0.0]
 
 
-def test_full_report_mode_hits_are_accesses(srv: vllm_peer.VllmServer, side: sidecar_peer.SidecarThread) -> None:
+def test_full_report_mode_hits_are_accesses(
+    srv: vllm_peer.VllmServer, side: sidecar_peer.SidecarThread
+) -> None:
     before = side.status()["engines"][0]["blocks"]
     srv.complete(SHARED + " again", max_tokens=2)  # make sure the prefix is cached
     srv.complete(SHARED + " and again", max_tokens=2, vllm_xargs={"kv_cache_report_mode": "full"})
-    after = wait_for(lambda: (b := side.status()["engines"][0]["blocks"])["reannounced"] > before["reannounced"]
+    after = wait_for(lambda: (b := side.status()["engines"][0]["blocks"])["reannounced"] > before["reannounced"]  # noqa: E501
                      and b, 30, "hit reports counted as re-announcements")  # fmt: skip
     assert after["accesses_inferred"] > before["accesses_inferred"]
     res = wait_for(lambda: (r := _matches(side, srv))[0] and r, 30, "counts equal after hit reports")
@@ -140,8 +142,10 @@ def test_full_report_mode_hits_are_accesses(srv: vllm_peer.VllmServer, side: sid
 
 def test_all_blocks_cleared(srv: vllm_peer.VllmServer, side: sidecar_peer.SidecarThread) -> None:
     assert httpx.post(srv.url + "/reset_prefix_cache", timeout=30).status_code == 200
-    srv.complete("a short prompt after the reset " * 4, max_tokens=2)  # the clear is published with the next step
-    st = wait_for(lambda: (s := side.status())["kv_events_received_by_engine"][_engine(srv)]["AllBlocksCleared"]
+    srv.complete(
+        "a short prompt after the reset " * 4, max_tokens=2
+    )  # the clear is published with the next step
+    st = wait_for(lambda: (s := side.status())["kv_events_received_by_engine"][_engine(srv)]["AllBlocksCleared"]  # noqa: E501
                   and s, 30, "AllBlocksCleared received")  # fmt: skip
     kinds, *_ = independent_counts(srv)
     assert kinds["AllBlocksCleared"] == 1
@@ -187,7 +191,7 @@ def test_garbage_counted_and_later_events_processed(
 
 
 def test_broken_metrics_text_counted() -> None:
-    """Unit level (pure parser; a real vLLM never serves broken text): broken blocks are skipped and counted."""
+    """Unit level (pure parser; a real vLLM never serves broken text): broken blocks are skipped and counted."""  # noqa: E501
     from prometheus_client import CollectorRegistry
 
     from kvtier.collectors.vllm_metrics import VllmMetricsCollector
@@ -196,7 +200,7 @@ def test_broken_metrics_text_counted() -> None:
     c = VllmMetricsCollector("vllm_metrics:x", "http://127.0.0.1:1", client=httpx.AsyncClient(), registry=reg)
     text = (
         '# TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total{engine="0",model_name="m"} 3\n'
-        '# TYPE vllm:prefix_cache_queries counter\nvllm:prefix_cache_queries_total{engine="0",model_name="m"} 4\n'
+        '# TYPE vllm:prefix_cache_queries counter\nvllm:prefix_cache_queries_total{engine="0",model_name="m"} 4\n'  # noqa: E501
         '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0" 0.5 oops\n'
     )
     obs = c.parse(text, 1.0)
@@ -210,7 +214,9 @@ def test_kill_and_restart(srv: vllm_peer.VllmServer, side: sidecar_peer.SidecarT
     wait_for(lambda: side.status()["blocks_tracked"]["gpu"] > 0, 30, "blocks tracked before the crash")
     restarts0 = side.status()["engines"][0]["kv_events"]["sources"][0]["restarts"]
     srv.kill()
-    r = wait_for(lambda: (x := side.get("/readyz")).status_code == 503 and x, 30, "/readyz reports the engine down")
+    r = wait_for(
+        lambda: (x := side.get("/readyz")).status_code == 503 and x, 30, "/readyz reports the engine down"
+    )
     down = r.json()["down"]
     assert any(_engine(srv) in name for name in down), down
     assert side.get("/healthz").status_code == 200
@@ -219,13 +225,13 @@ def test_kill_and_restart(srv: vllm_peer.VllmServer, side: sidecar_peer.SidecarT
     srv.wait_ready()
     wait_for(lambda: side.get("/readyz").status_code == 200, 60, "/readyz ready again")
     # the restart is noticed (new process start time) and the dead process's blocks are dropped
-    st = wait_for(lambda: (s := side.status())["engines"][0]["kv_events"]["sources"][0]["restarts"] > restarts0
+    st = wait_for(lambda: (s := side.status())["engines"][0]["kv_events"]["sources"][0]["restarts"] > restarts0  # noqa: E501
                   and s, 30, "restart handled")  # fmt: skip
     assert st["blocks_tracked"]["gpu"] == 0 or st["engines"][0]["blocks_held"]["gpu"] >= 0
     for i in range(2):
         srv.complete(SHARED + f" after the restart {i}", max_tokens=2)
     srv.complete(distinct(7), max_tokens=2)
-    res = wait_for(lambda: (r := _matches(side, srv)) and r[1]["blocks_tracked"]["gpu"] == r[3] - r[4] and r, 60,
+    res = wait_for(lambda: (r := _matches(side, srv)) and r[1]["blocks_tracked"]["gpu"] == r[3] - r[4] and r, 60,  # noqa: E501
                    "index == stored - removed of the new process")  # fmt: skip
     st = res[1]
     assert st["kv_events_lost"] == 0
