@@ -10,7 +10,7 @@ from kvtier.policies.base import HitMask, Policy, Request
 
 
 class LRUPolicy(Policy):
-    """Least recently used: a hit moves the block to the MRU end; a miss inserts it, evicting the LRU block."""
+    """Least recently used: a hit moves the block to the MRU end; a miss inserts it, evicting the LRU one."""
 
     name = "lru"
 
@@ -22,18 +22,22 @@ class LRUPolicy(Policy):
         od = self._od
         cap = self.capacity_blocks
         ids = req.hash_ids.tolist()
-        hits = [False] * len(ids)
         if cap == 0:
             return np.zeros(len(ids), dtype=np.bool_)
+        hits = [False] * len(ids)
         move = od.move_to_end
-        evicted = self._evicted
+        pop = od.popitem
+        push = self._evicted.append
+        size = len(od)
         for i, b in enumerate(ids):
             if b in od:
                 move(b)
                 hits[i] = True
             else:
-                if len(od) >= cap:
-                    evicted.append(od.popitem(last=False)[0])
+                if size >= cap:
+                    push(pop(False)[0])
+                else:
+                    size += 1
                 od[b] = None
         return np.array(hits, dtype=np.bool_)
 
@@ -56,15 +60,19 @@ class FIFOPolicy(LRUPolicy):
         od = self._od
         cap = self.capacity_blocks
         ids = req.hash_ids.tolist()
-        hits = [False] * len(ids)
         if cap == 0:
             return np.zeros(len(ids), dtype=np.bool_)
-        evicted = self._evicted
+        hits = [False] * len(ids)
+        pop = od.popitem
+        push = self._evicted.append
+        size = len(od)
         for i, b in enumerate(ids):
             if b in od:
                 hits[i] = True
             else:
-                if len(od) >= cap:
-                    evicted.append(od.popitem(last=False)[0])
+                if size >= cap:
+                    push(pop(False)[0])
+                else:
+                    size += 1
                 od[b] = None
         return np.array(hits, dtype=np.bool_)
