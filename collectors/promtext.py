@@ -35,11 +35,11 @@ def _add(out: ParsedText, families: Iterable[object]) -> None:
 
 
 def _blocks(text: str) -> list[str]:
-    """Split exposition text into blocks, one per family header run (``# HELP``/``# TYPE`` lines start one)."""
+    """Split exposition text into blocks, one per family header run (``# HELP``/``# TYPE`` lines start one)."""  # noqa: E501
     blocks: list[list[str]] = [[]]
     prev_header = False
     for line in text.splitlines():
-        header = line.startswith("# HELP ") or line.startswith("# TYPE ")
+        header = line.startswith(("# HELP ", "# TYPE "))
         if header and not prev_header and blocks[-1]:
             blocks.append([])
         blocks[-1].append(line)
