@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -79,8 +80,6 @@ def stop(proc: subprocess.Popen[bytes] | None, timeout_s: float = 15.0) -> None:
     try:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait(timeout=10)
