@@ -64,8 +64,13 @@ class MooncakeSample(Observation):
     broken_blocks: int = 0
 
 
+def _samples(p: ParsedText, name: str) -> list[Any]:
+    """Samples of ``name``; prometheus_client renames counter samples without ``_total`` to ``<name>_total``."""
+    return p.get(name) or p.get(name + "_total")
+
+
 def _one(p: ParsedText, name: str) -> float:
-    return float(sum(s.value for s in p.get(name)))
+    return float(sum(s.value for s in _samples(p, name)))
 
 
 def parse_summary(text: str) -> MooncakeSummary:
@@ -102,7 +107,7 @@ def parse_mooncake(metrics_text: str, summary_text: str | None = None, *, collec
     segs: dict[str, dict[str, float]] = {}
     for sname, key in (("segment_allocated_bytes", "allocated_bytes"),
                        ("segment_total_capacity_bytes", "capacity_bytes")):
-        for s in p.get(sname):
+        for s in _samples(p, sname):
             seg = s.labels.get("segment", "")
             segs.setdefault(seg, {})[key] = float(s.value)
     req: dict[str, float] = {}
@@ -123,7 +128,7 @@ def parse_mooncake(metrics_text: str, summary_text: str | None = None, *, collec
         soft_pin_key_count=_one(p, "master_soft_pin_key_count"),
         active_clients=_one(p, "master_active_clients"),
         allocated_bytes=alloc, capacity_bytes=cap, segments=segs,
-        eviction={n: _one(p, n) for n in _EVICTION if p.get(n)},
+        eviction={n: _one(p, n) for n in _EVICTION if _samples(p, n)},
         promotion=promo, nof=nof, rpc_requests=req, rpc_failures=fail,
         cache_hits={"cpu": _one(p, "mem_cache_hit_nums_"), "disk": _one(p, "file_cache_hit_nums_")},
         summary=parse_summary(summary_text) if summary_text else None,

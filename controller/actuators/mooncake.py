@@ -40,6 +40,7 @@ from .resilience import CircuitOpen, HttpCaller, Resilient, TransientError
 
 Clock = Callable[[], float]
 
+OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706
 
 
@@ -84,7 +85,9 @@ class MooncakeActuator(Actuator):
                           Capability.EVICT, Capability.HARD_PIN, Capability.LOOKUP})
 
     def health(self) -> AdapterHealth:
-        b = self.resilient.breaker
+        """The worse of the client-call breaker and the master-admin breaker."""
+        order = {"closed": 0, "half_open": 1, "open": 2}
+        b = max((self.resilient.breaker, self.admin.resilient.breaker), key=lambda x: order[x.state])
         return AdapterHealth(self.name, b.state, b.consecutive_failures, b.last_error)
 
     # ---- helpers ---------------------------------------------------------------------------------
@@ -231,11 +234,12 @@ class MooncakeActuator(Actuator):
     def evict(self, blocks: Sequence[BlockRef], tier: Tier | None = None, *,
               force: bool = False) -> ActuationResult:
         def one(key: str) -> KeyOutcome:
-            if not self._client(lambda: self.store.is_exist(key)):
-                return KeyOutcome(key, Outcome.SKIPPED, "not present")
+            # no is_exist() first: an existence check grants the caller a lease and would block the remove
             rc = self._client(lambda: self.store.remove(key, force))
             if rc == 0:
                 return KeyOutcome(key, Outcome.APPLIED, "removed")
+            if rc == OBJECT_NOT_FOUND:
+                return KeyOutcome(key, Outcome.SKIPPED, "not present")
             why = "object has a lease" if rc == OBJECT_HAS_LEASE else "remove failed"
             return KeyOutcome(key, Outcome.FAILED, f"{why} (rc {rc})")
 
