@@ -20,8 +20,8 @@ from prometheus_client import CollectorRegistry
 
 from kvtier.collectors.lmcache_mp import LMCacheMPCollector
 from kvtier.controller.actuators.base import BlockRef, Outcome
-from kvtier.controller.actuators.lmcache_mp import LMCacheMPActuator
 from kvtier.controller.actuators.lmcache_keys import object_keys
+from kvtier.controller.actuators.lmcache_mp import LMCacheMPActuator
 from kvtier.controller.actuators.resilience import HttpCaller
 from kvtier.policies.tiers import Tier
 from tests.cachelayers.promlines import scrape_sum
