@@ -29,7 +29,8 @@ def outcomes(r: dict[str, Any]) -> list[str]:
 
 
 def test_collector_sees_worker_and_key_counts(run: dict[str, Any]) -> None:
-    assert run["s0"]["workers"] == 1 and run["s0"]["keys"] == 0 and run["s0"]["instances"] == {"standalone0": 0}
+    assert run["s0"]["workers"] == 1 and run["s0"]["keys"] == 0
+    assert run["s0"]["instances"] == {"standalone0": 0}
     assert run["store"]["status"] == 200
     assert run["keys_after_store"] == 2  # 512 tokens = 2 chunks of 256, admitted by the worker
     assert run["keys_before_clear"] == 4
@@ -58,6 +59,7 @@ def test_move_refusal_is_recorded_with_the_controllers_reason(run: dict[str, Any
 
 def test_controller_down_fails_then_opens_the_breaker(run: dict[str, Any]) -> None:
     first, second = run["dead"]
-    assert outcomes(first) == ["failed"] and "unreachable" in first["outcomes"][0][2] and first["attempts"] == 3
+    assert outcomes(first) == ["failed"] and "unreachable" in first["outcomes"][0][2]
+    assert first["attempts"] == 3
     assert outcomes(second) == ["failed"] and "circuit open" in second["outcomes"][0][2]
     assert second["attempts"] == 0 and run["dead_health"] == "open"

@@ -57,7 +57,7 @@ class Rig:
         return list(r.json()["tokens"])
 
     def flush_vllm(self) -> None:
-        """Push the prompt out of vLLM's own 48-block GPU(CPU) prefix pool with 6 distinct ~650-token prompts."""
+        """Push the prompt out of vLLM's own 48-block prefix pool (6 distinct ~650-token prompts)."""
         for _ in range(6):
             self.filler += 1
             self.complete(text(self.filler, 150))

@@ -63,7 +63,8 @@ class ControllerCluster:
         env = {"LMCACHE_ENABLE_CONTROLLER": "True", "LMCACHE_LMCACHE_INSTANCE_ID": self.instance_id,
                "LMCACHE_CONTROLLER_PULL_URL": f"127.0.0.1:{self.pull_port}",
                "LMCACHE_CONTROLLER_REPLY_URL": f"127.0.0.1:{self.reply_port}",
-               "LMCACHE_LMCACHE_WORKER_PORTS": str(self.worker_port), "LMCACHE_CHUNK_SIZE": str(self.chunk_size),
+               "LMCACHE_LMCACHE_WORKER_PORTS": str(self.worker_port),
+               "LMCACHE_CHUNK_SIZE": str(self.chunk_size),
                "LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5", "PYTHONHASHSEED": "0",
                "LMCACHE_INTERNAL_API_SERVER_ENABLED": "True",
                "LMCACHE_INTERNAL_API_SERVER_HOST": "127.0.0.1",
@@ -77,7 +78,8 @@ class ControllerCluster:
             ws = httpx.get(self.url + "/controller/workers", timeout=2).json().get("workers") or []
             return any(w.get("instance_id") == self.instance_id for w in ws)
 
-        wait_for(registered, 180, "standalone worker registration", interval_s=0.5, proc=self.worker, log=wlog)
+        wait_for(registered, 180, "standalone worker registration", interval_s=0.5, proc=self.worker,
+                 log=wlog)
         return self
 
     def store(self, start_tok: int, end_tok: int) -> dict[str, Any]:

@@ -3,7 +3,8 @@ namespace (``unshare -n``; the master's metadata server and the clients' transfe
 
 Processes inside the namespace are unreachable from outside, so the test driver runs inside it too:
 :func:`run_in_netns` executes ``tests/peers/scripts/<script>`` under ``KVTIER_MOONCAKE_PYTHON`` inside a
-fresh namespace and returns the JSON the script prints on its ``RESULT`` line. Inside, :class:`MooncakeCluster`
+fresh namespace and returns the JSON the script prints on its ``RESULT`` line. Inside,
+:class:`MooncakeCluster`
 starts the master and the second ("hold") client. Recipe: reference/feasibility_cachelayers.md §3.
 """
 
@@ -23,7 +24,8 @@ HERE = Path(__file__).resolve().parent
 
 def run_in_netns(script: str, workdir: Path, *args: str, timeout_s: float = 300.0) -> dict[str, Any]:
     """Run ``tests/peers/scripts/<script>`` under KVTIER_MOONCAKE_PYTHON in a private network namespace."""
-    return netns.run_in_netns(require_env("KVTIER_MOONCAKE_PYTHON"), script, workdir, *args, timeout_s=timeout_s,
+    return netns.run_in_netns(require_env("KVTIER_MOONCAKE_PYTHON"), script, workdir, *args,
+                              timeout_s=timeout_s,
                               env={"LD_LIBRARY_PATH": require_env("KVTIER_MOONCAKE_LIBDIR"),
                                    "MC_TCP_BIND_ADDRESS": "127.0.0.1"})
 

@@ -31,7 +31,8 @@ def run_in_netns(python: str, script: str, workdir: Path, *args: str, env: dict[
     full.update(env or {})
     cmd = ["unshare", "-n", "--", "bash", "-c", 'ip link set lo up && exec "$@"', "bash",
            python, str(HERE / "scripts" / script), "--workdir", str(workdir), *args]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full, start_new_session=True)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full,
+                         start_new_session=True)
     try:
         out, err = p.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
