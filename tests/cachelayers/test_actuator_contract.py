@@ -66,3 +66,13 @@ def test_evict_all_sends_one_idempotent_delete_per_key() -> None:
     assert len(bodies) == 3 and all(b["tier"] == "all" for b in bodies)
     assert res.count(Outcome.SKIPPED) == 3  # absent keys: nothing deleted, not an error
     assert {k["cache_salt"] for b in bodies for k in b["keys"]} == {"t"}  # type: ignore[attr-defined]
+
+
+def test_registry_builds_by_name_and_rejects_unknown() -> None:
+    from kvtier.controller.actuators import registry
+
+    assert {"lmcache-mp", "lmcache-controller", "mooncake"} <= set(registry.names())
+    act = registry.build("lmcache-mp", url="http://127.0.0.1:1", chunk_size=64)
+    assert act.name == "lmcache-mp" and act.supports("promote")
+    with pytest.raises(ValueError, match="unknown actuator"):
+        registry.build("nope")
