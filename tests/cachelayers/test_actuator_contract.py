@@ -22,9 +22,9 @@ def mp_with(handler: httpx.MockTransport) -> LMCacheMPActuator:
 
 def test_unadvertised_actions_raise_not_supported() -> None:
     act = mp_with(httpx.MockTransport(lambda r: httpx.Response(200, json={})))
-    assert Capability.PIN not in act.capabilities() and not act.supports("unpin")
+    assert Capability.HARD_PIN not in act.capabilities() and not act.supports("copy")
     with pytest.raises(NotSupported):
-        act.pin([BlockRef(layer_key="x")], Tier.CPU)
+        act.copy([BlockRef(layer_key="x")], None)  # type: ignore[arg-type]
     with pytest.raises(NotSupported):
         act.move([], None, None)  # type: ignore[arg-type]
     ctl = build_controller("http://ctl", "i0")
