@@ -29,7 +29,8 @@ import pytest
 from dashboards import lint
 from kvtier.controller.actuators.lmcache_keys import object_keys
 from tests.e2e import prom as promlib
-from tests.peers.lmcache import LMCacheMPServer, VllmWithLMCache
+from tests.peers import vllm as vllm_peer
+from tests.peers.lmcache import LMCacheMPServer
 from tests.peers.procs import free_port, start, stop, wait_for
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.vllm, pytest.mark.lmcache]
@@ -61,20 +62,41 @@ VARS = {"__rate_interval": "2m"}
 @dataclass
 class Stack:
     lmcache: LMCacheMPServer
-    vllm: VllmWithLMCache
+    vllm: vllm_peer.VllmServer
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     wd = Path(tempfile.mkdtemp(prefix="kvtier-e2e-"))
     server = LMCacheMPServer(wd, l1_gb=0.25)
-    engine = VllmWithLMCache(server)
+    engine: vllm_peer.VllmServer | None = None
     try:
         server.start()
-        engine.start(timeout_s=900)
+        connector = {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "lmcache.mp.host": "tcp://127.0.0.1",
+                "lmcache.mp.port": server.zmq_port,
+                "lmcache.mp.mq_timeout": 30,
+            },
+        }
+        # KV events on (the peer's default), prefix caching with the sha256_cbor hashes docker-compose uses
+        engine = vllm_peer.start(
+            extra_args=[
+                "--kv-transfer-config",
+                json.dumps(connector),
+                "--prefix-caching-hash-algo",
+                "sha256_cbor",
+            ],
+            num_gpu_blocks=48,
+            workdir=wd / "vllm",
+            timeout_s=900,
+        )
         yield Stack(server, engine)
     finally:
-        engine.stop()
+        if engine is not None:
+            engine.cleanup()
         server.stop()
         shutil.rmtree(wd, ignore_errors=True)
 
@@ -147,7 +169,7 @@ def drive_traffic(stack: Stack, seed: int = 0) -> int:
     """
     rng = random.Random(seed)
     shared = [rng.randrange(10, 500) for _ in range(520)]
-    keys = [k.encoded() for k in object_keys(stack.vllm.model_path, shared, stack.lmcache.chunk_size)]
+    keys = [k.encoded() for k in object_keys(stack.vllm.model, shared, stack.lmcache.chunk_size)]
     sent = 0
     with httpx.Client(timeout=300) as c:
 
@@ -178,7 +200,7 @@ def drive_traffic(stack: Stack, seed: int = 0) -> int:
         delete_l1()
         r = c.post(
             stack.lmcache.url + "/cache/prefetches",
-            json={"model_name": stack.vllm.model_path, "world_size": 1, "token_ids": shared},
+            json={"model_name": stack.vllm.model, "world_size": 1, "token_ids": shared},
         )
         r.raise_for_status()
         rid = r.json()["request_id"]
@@ -241,7 +263,8 @@ def evaluate(prom: promlib.Prometheus, scraped: set[str], at: float) -> list[Res
                 vec = prom.query(expr, at=at)
                 res.series = len(vec)
                 res.nan = sum(1 for v in vec if v["value"][1] in ("NaN", "+Inf", "-Inf"))
-                res.sample = f"= {float(vec[0]['value'][1]):.4g}" if vec else ""
+                vals = [float(v["value"][1]) for v in vec]
+                res.sample = f"first {vals[0]:.4g}, sum {sum(vals):.4g}" if vals else ""
         except promlib.PromQLError as e:
             res.error = str(e)
         out.append(res)
