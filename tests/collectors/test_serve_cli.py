@@ -19,8 +19,10 @@ from tests.peers.vllm import free_port
 
 def test_settings_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = tmp_path / "kvtier.toml"
-    cfg.write_text('engine_urls = ["http://127.0.0.1:1"]\nlisten = "127.0.0.1:9000"\nscrape_interval_s = 7.0\n'
-                   '[tier_paths]\ndisk = "/tmp"\n')  # fmt: skip
+    cfg.write_text(
+        'engine_urls = ["http://127.0.0.1:1"]\nlisten = "127.0.0.1:9000"\nscrape_interval_s = 7.0\n'
+        '[tier_paths]\ndisk = "/tmp"\n'
+    )
     monkeypatch.setenv("KVTIER_SCRAPE_INTERVAL_S", "3")
     s = load_settings(cfg, listen="127.0.0.1:9001")
     assert s.engine_urls == ["http://127.0.0.1:1"] and s.tier_paths == {"disk": "/tmp"}
@@ -56,8 +58,8 @@ def test_down_engine_does_not_stop_the_sidecar() -> None:
         assert st["engines"][0]["up"] is False and st["kv_events_lost"] == 0
         assert st["storage"]["health"]["up"] is True
         text = httpx.get(url + "/metrics", timeout=2).text
-        errs = [ln for ln in text.splitlines()
-                if ln.startswith(f'kvtier_collector_errors_total{{collector="vllm_metrics:127.0.0.1:{dead}"}}')]
+        want = f'kvtier_collector_errors_total{{collector="vllm_metrics:127.0.0.1:{dead}"}}'
+        errs = [ln for ln in text.splitlines() if ln.startswith(want)]
         assert errs and float(errs[0].split()[-1]) >= 1
         assert "kvtier_storage_device_read_bytes_total" in text and "kvtier_blocks_tracked" in text
     finally:
