@@ -9,7 +9,8 @@ block evicted from the last tier is gone. Cost model per request:
          + for each lower tier k used by the prefix: latency_k + bytes_k / read_bandwidth_k
 
 With ``prefetch: true`` lower-tier loads overlap prefill (layer-wise pipelining): TTFT = max of the two.
-Bytes moved are counted per link (``cpu->gpu`` on promotion, ``gpu->cpu`` on demotion, ...).
+Bytes moved are counted per link (``cpu->gpu`` on promotion, ``gpu->cpu`` on demotion, ...); each tier
+reports the share of the trace's span its write (demotions) and read (promotions) bandwidth is busy.
 """
 
 from __future__ import annotations
@@ -200,6 +201,8 @@ class TierStack:
         self._pref_tokens = np.zeros(k, dtype=np.int64)
         self._load_ms = np.zeros(k, dtype=np.float64)
         self._where: dict[int, int] = {}  # block -> index of the lower tier holding it
+        self._first_ms: float | None = None
+        self._last_ms = 0.0
         self.dropped = 0
         self._ttft: list[float] = []
         self._ttft_nocache: list[float] = []
@@ -327,6 +330,9 @@ class TierStack:
                 load_ms += t_ms
         ttft = max(compute_ms, load_ms) if self.config.prefetch else compute_ms + load_ms
         self._ttft.append(ttft)
+        if self._first_ms is None:
+            self._first_ms = req.timestamp_ms
+        self._last_ms = req.timestamp_ms
         self._ttft_nocache.append(req.input_length / tps * 1e3)
         return hit, tier_of, ttft
 
@@ -351,9 +357,19 @@ class TierStack:
                     "bytes_read_to_top": int(self._up[k]) * bb if k else 0,
                     "evictions": s.evictions,
                     "load_time_ms": round(float(self._load_ms[k]), 3),
+                    # share of the trace's span this tier's link spends writing demotions / reading
+                    # promotions at its configured bandwidth (> 1: the tier cannot keep up)
+                    "write_utilization": self._util(written * bb, s.spec.write_gbps),
+                    "read_utilization": self._util(int(self._up[k]) * bb if k else 0, s.spec.read_gbps),
                 }
             )
         return out
+
+    def _util(self, nbytes: int, gbps: float) -> float | None:
+        span_s = (self._last_ms - (self._first_ms or 0.0)) / 1e3
+        if gbps <= 0 or span_s <= 0:
+            return None
+        return round(nbytes / (gbps * 1e9) / span_s, 6)
 
     def ttft_summary(self) -> dict[str, Any]:
         """TTFT estimate statistics (ms) and bytes moved per link."""

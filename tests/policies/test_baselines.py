@@ -149,3 +149,17 @@ def test_belady_refuses_unprepared_sequence() -> None:
     p.access(req(1, 2))
     with pytest.raises(RuntimeError, match="differs"):
         p.access(req(4))
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
+def test_bulk_path_equals_exact_loop(policy: str) -> None:
+    """LRU/FIFO serve requests in bulk when provably equivalent; compare with the per-block loop."""
+    reqs = random_tree_trace(400, seed=11) + [req(5, 5, 6), req(6, 7, 6)]  # incl. repeated ids
+    for cap in (1, 3, 8, 30, 200):
+        bulk, exact = get_policy(policy, cap), get_policy(policy, cap)
+        for r in reqs:
+            a = bulk.access(r)
+            b = exact._access_exact(r.hash_ids.tolist())  # type: ignore[attr-defined]
+            assert a.tolist() == b.tolist()
+            assert bulk.drain_evicted() == exact.drain_evicted()
+            assert list(bulk._od) == list(exact._od)  # type: ignore[attr-defined]

@@ -86,6 +86,9 @@ def test_per_request_sums_to_totals(tmp_path: Path) -> None:
     assert d["tiers"][0]["capacity_blocks"] == round(0.02 * 182790)
     assert d["ttft"]["mean_ms"] < d["ttft"]["no_cache_mean_ms"]
     assert sum(t["hit_blocks"] for t in d["tiers"]) == d["block_hits"]
+    cpu = d["tiers"][1]
+    span_s = (lines[-1]["timestamp_ms"] - lines[0]["timestamp_ms"]) / 1e3
+    assert cpu["write_utilization"] == pytest.approx(cpu["bytes_written"] / 50e9 / span_s, rel=1e-3)
 
 
 @pytest.mark.parametrize(
@@ -97,6 +100,8 @@ def test_per_request_sums_to_totals(tmp_path: Path) -> None:
         (["replay", "/nonexistent.jsonl", "--capacity", "0.1"], "cannot read trace"),
         (["replay", "bundled", "--capacity", "0.1", "--tiers", "nope"], "tier config"),
         (["compare", "bundled", "--capacities", "x"], "--capacities"),
+        (["replay", "bundled", "--capacity", "0.1", "--per-request", "/no/such/dir/x.jsonl"], "cannot write"),
+        (["replay", "bundled", "--capacity", "0.1", "--format", "xml"], "--format"),
     ],
 )
 def test_cli_errors(args: list[str], msg: str) -> None:
