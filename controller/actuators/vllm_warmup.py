@@ -63,6 +63,7 @@ class VllmWarmupActuator(Actuator):
     """Warm vLLM's GPU prefix cache with ``max_tokens=1`` completions (capability: ``prefetch`` to gpu)."""
 
     name = "vllm-warmup"
+    tiers = frozenset({Tier.GPU})  # the only tier it can target
 
     def __init__(
         self,

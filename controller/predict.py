@@ -1,0 +1,49 @@
+"""Reuse predictors the loop asks for P(reuse), one per tracked block slot.
+
+:class:`HeuristicPredictor` is the always-available fallback (frequency x recency, vectorised); the learned
+policy is adapted to the same :class:`ReusePredictor` protocol. Times are index milliseconds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.policies.index import BlockIndex
+
+Probs = npt.NDArray[np.float32]
+
+
+@runtime_checkable
+class ReusePredictor(Protocol):
+    """``predict`` returns P(reuse) for slots ``[0, n)`` of ``index`` as of ``now_ms`` (causal: uses only
+    what the index has observed)."""
+
+    name: str
+
+    def predict(self, index: BlockIndex, n: int, now_ms: float) -> Probs: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+
+class HeuristicPredictor:
+    """``P = (1 - exp(-freq / 2)) * exp(-age / tau)``, ``tau`` = the block's reuse-gap EWMA (or ``tau_ms``)."""
+
+    name = "heuristic"
+
+    def __init__(self, tau_ms: float = 300_000.0) -> None:
+        self.tau_ms = tau_ms
+
+    def predict(self, index: BlockIndex, n: int, now_ms: float) -> Probs:
+        freq = index.freq[:n].astype(np.float32)
+        age = np.maximum(0.0, now_ms - index.last_access[:n]).astype(np.float32)
+        tau = index.gap_ewma[:n]
+        tau = np.where(np.isnan(tau), np.float32(self.tau_ms), np.maximum(tau, np.float32(1.0)) * 4)
+        p = (1.0 - np.exp(-freq / 2.0)) * np.exp(-age / tau)
+        p[~index.used[:n]] = 0.0
+        return p.astype(np.float32)
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "version": "heuristic-1", "tau_ms": self.tau_ms, "trained": False}
