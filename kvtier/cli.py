@@ -15,7 +15,7 @@ app = typer.Typer(
 
 def _register() -> None:
     # Each module adds its commands to ``app`` (one line per subsystem keeps merges trivial).
-    pass
+    from kvtier.replay import cli as _replay_cli  # noqa: F401  (replay, compare)
 
 
 def main() -> None:

@@ -72,6 +72,11 @@ class Policy(ABC):
         out, self._evicted = self._evicted, []
         return out
 
+    def remove(self, block: int) -> bool:
+        """Drop ``block`` without counting it as an eviction (e.g. promoted to a faster tier, or the engine
+        freed it). Returns whether it was resident. Optional: lower tiers of the emulator need it."""
+        raise NotImplementedError(f"{type(self).__name__} does not support remove()")
+
     def explain(self, block: int) -> dict[str, Any]:
         """Why the policy holds (or would drop) ``block``: features, scores. Empty by default."""
         return {}
