@@ -26,7 +26,7 @@ stops ping-pong.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -112,6 +112,17 @@ class BlockView:
     nbytes: npt.NDArray[np.int64]
     p_reuse: npt.NDArray[np.float32]
     admittable: npt.NDArray[np.bool_]
+    lookup: Callable[[int], int] | None = None  # block -> row (-1 if absent); faster than a scan
+
+    def rows_of(self, blocks: Collection[int]) -> npt.NDArray[np.int64]:
+        """Rows of the given blocks that are in the view (absent ones dropped)."""
+        if not blocks:
+            return np.zeros(0, np.int64)
+        if self.lookup is not None:
+            get = self.lookup
+            rows = np.fromiter((get(b) for b in blocks), np.int64, len(blocks))
+            return rows[rows >= 0]
+        return np.flatnonzero(np.isin(self.hashes, np.fromiter(blocks, np.int64, len(blocks))))
 
     def __len__(self) -> int:
         return int(self.hashes.shape[0])
@@ -214,8 +225,9 @@ class Planner:
         live = {k: m for k, (t, m) in self._last_move.items() if t > horizon}
         if not live:
             return np.zeros(n, np.bool_), mask
-        recent = np.isin(view.hashes, np.fromiter(live.keys(), np.int64, len(live)))
-        rows = np.flatnonzero(recent)
+        rows = view.rows_of(live.keys())
+        recent = np.zeros(n, np.bool_)
+        recent[rows] = True
         if rows.size:
             mask = mask.copy()
             for r in rows.tolist():
@@ -267,7 +279,8 @@ class Planner:
         first_bit = np.zeros(n, np.int8) + len(TIER_ORDER)  # rank of fastest resident tier; 4 = none
         for t in reversed(TIER_ORDER):
             first_bit[(tier_mask & tier_bit(t)) != 0] = t.rank
-        pinned_rows = np.isin(view.hashes, np.fromiter(pins.keys(), np.int64)) if pins else np.zeros(n, bool)
+        pinned_rows = np.zeros(n, np.bool_)
+        pinned_rows[view.rows_of(pins.keys())] = True
 
         candidates: list[tuple[int, float, Move]] = []  # (class, sort key, move); class 0 = pin, 1 = shed
         # 1. pins
@@ -381,8 +394,7 @@ class Planner:
         if not pins:
             return []
         out: list[Move] = []
-        keys = np.fromiter(pins.keys(), np.int64)
-        rows = np.flatnonzero(np.isin(view.hashes, keys))
+        rows = view.rows_of(pins.keys())
         row_of = {int(view.hashes[r]): int(r) for r in rows}
         acked = set(pinned_at_layer)
         admittable = set(pin_admittable)
