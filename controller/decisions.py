@@ -5,7 +5,7 @@ Every planned move becomes a :class:`Decision` with an outcome: ``planned`` (not
 outcome of the actuator). The :class:`ShadowScorer` later asks the index whether the block came back:
 
 * upward moves (promote / prefetch / admit / pin): came back within ``horizon_s`` -> the move would have
-  produced a hit at the faster tier: ``score = +1`` (a counterfactual hit), and ``tokens`` prefill tokens saved;
+  produced a hit at the faster tier: ``score = +1`` (a counterfactual hit; ``tokens`` prefill tokens saved);
   not back -> ``score = 0`` (wasted move);
 * downward moves (demote / evict): came back -> ``score = -1`` (the move would have cost a hit); else ``0``.
 """
@@ -99,8 +99,14 @@ class DecisionLog:
         with self._lock:
             return iter(list(self._d))
 
-    def query(self, limit: int = 100, action: str | None = None, tier: str | None = None,
-              block: int | None = None, outcome: str | None = None) -> list[Decision]:
+    def query(
+        self,
+        limit: int = 100,
+        action: str | None = None,
+        tier: str | None = None,
+        block: int | None = None,
+        outcome: str | None = None,
+    ) -> list[Decision]:
         """Newest first, filtered."""
         out: list[Decision] = []
         with self._lock:

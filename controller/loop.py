@@ -30,6 +30,7 @@ from opentelemetry.trace import Tracer
 
 from kvtier.controller.actuators.base import ActuationResult, Actuator, BlockRef, Capability
 from kvtier.controller.decisions import Decision, DecisionLog, score
+from kvtier.controller.decisions import Outcome as DecisionOutcome
 from kvtier.controller.metrics import ControllerMetrics
 from kvtier.controller.pins import PinSet
 from kvtier.controller.policy_doc import PolicyDoc
@@ -50,6 +51,13 @@ ACTION_CAPABILITY: dict[str, Capability] = {
     "evict": Capability.EVICT,
 }
 _U64 = (1 << 64) - 1
+
+
+_OUTCOME: dict[str, DecisionOutcome] = {"applied": "applied", "failed": "failed", "skipped": "skipped"}
+
+
+def _tier_name(t: Tier | None) -> str | None:
+    return t.value if t is not None else None
 
 
 def block_key_hex(block: int) -> str:
@@ -73,9 +81,16 @@ class TickReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "tick": self.tick, "at_s": self.at_s, "mode": self.mode, "duration_s": self.duration_s,
-            "outcome": self.outcome, "moves": self.moves, "decisions": self.decisions,
-            "outcomes": dict(self.outcomes), "fallbacks": self.fallbacks, "predictor": self.predictor,
+            "tick": self.tick,
+            "at_s": self.at_s,
+            "mode": self.mode,
+            "duration_s": self.duration_s,
+            "outcome": self.outcome,
+            "moves": self.moves,
+            "decisions": self.decisions,
+            "outcomes": dict(self.outcomes),
+            "fallbacks": self.fallbacks,
+            "predictor": self.predictor,
             "tried": dict(self.plan.tried) if self.plan else {},
             "deferred": dict(self.plan.deferred) if self.plan else {},
             "held": dict(self.plan.held) if self.plan else {},
@@ -192,7 +207,7 @@ class ReconcileLoop:
         self.metrics.tick_seconds.observe(rep.duration_s)
         self.metrics.ticks.labels(outcome=rep.outcome).inc()
         self.metrics.last_tick.set(now)
-        self.metrics.pins.set(sum(len(p.blocks) for p in self.pins.list()))
+        self.metrics.pins.set(sum(len(p.blocks) for p in self.pins.all()))
         for a in self.actuators:
             self.metrics.actuator_up.labels(layer=a.name).set(1.0 if a.health().breaker == "closed" else 0.0)
         self.last = rep
@@ -218,14 +233,24 @@ class ReconcileLoop:
             p = self._predict(n, now, rep)
             if p is None:
                 return
-            view = BlockView(view.hashes, view.tier_mask, view.tokens, view.nbytes, p,
-                             self._admittable(view, p), view.lookup)
+            view = BlockView(
+                view.hashes,
+                view.tier_mask,
+                view.tokens,
+                view.nbytes,
+                p,
+                self._admittable(view, p),
+                view.lookup,
+            )
         with self._phase("plan"):
             try:
                 self._fault("plan")
                 pin_tokens = self.pins.tokens(now)
                 plan = self.planner.plan(
-                    view, now, pins=self.pins.block_map(now), pinned_at_layer=self.pinned_at_layer,
+                    view,
+                    now,
+                    pins=self.pins.block_map(now),
+                    pinned_at_layer=self.pinned_at_layer,
                     pin_admittable=pin_tokens.keys(),
                 )
             except Exception as exc:  # noqa: BLE001
@@ -247,8 +272,9 @@ class ReconcileLoop:
         self.metrics.fallbacks.labels(stage=stage, fallback=fallback).inc()
         self.errors[f"{stage}:{type(exc).__name__}"] += 1
         rep.fallbacks.append(f"{stage}->{fallback}: {type(exc).__name__}: {exc}")
-        log.warning("tick %d: %s failed (%s: %s); fallback %s", self.tick_no, stage, type(exc).__name__, exc,
-                    fallback)
+        log.warning(
+            "tick %d: %s failed (%s: %s); fallback %s", self.tick_no, stage, type(exc).__name__, exc, fallback
+        )
 
     def _observe(self) -> tuple[BlockView, int]:
         idx = self.index
@@ -258,8 +284,13 @@ class ReconcileLoop:
         nb = idx.nbytes[:n]
         nbytes = np.where(nb > 0, nb, self.policy.block_bytes)
         view = BlockView(
-            hashes=idx.hash[:n], tier_mask=idx.tiers[:n].copy(), tokens=self._tokens_buf, nbytes=nbytes,
-            p_reuse=np.zeros(n, np.float32), admittable=np.zeros(n, np.bool_), lookup=idx.slot_of,
+            hashes=idx.hash[:n],
+            tier_mask=idx.tiers[:n].copy(),
+            tokens=self._tokens_buf,
+            nbytes=nbytes,
+            p_reuse=np.zeros(n, np.float32),
+            admittable=np.zeros(n, np.bool_),
+            lookup=idx.slot_of,
         )
         return view, n
 
@@ -328,11 +359,18 @@ class ReconcileLoop:
             act = self._actuator_for(m) if active else None
             r = view.lookup(m.block) if view.lookup else -1
             d = Decision(
-                id=self.decisions.new_id(), tick=self.tick_no, at_s=now, action=m.action, block=m.block,
-                src=m.src.value if m.src else None, tier=(m.dst or m.src).value if (m.dst or m.src) else None,
+                id=self.decisions.new_id(),
+                tick=self.tick_no,
+                at_s=now,
+                action=m.action,
+                block=m.block,
+                src=m.src.value if m.src else None,
+                tier=_tier_name(m.dst or m.src),
                 value_s=m.value_s if np.isfinite(m.value_s) else 1e9,
-                p_reuse=float(view.p_reuse[r]) if r >= 0 else 1.0, pinned=m.pinned,
-                layer=act.name if act else "shadow", tokens=self.policy.block_size_tokens,
+                p_reuse=float(view.p_reuse[r]) if r >= 0 else 1.0,
+                pinned=m.pinned,
+                layer=act.name if act else "shadow",
+                tokens=self.policy.block_size_tokens,
             )
             self.metrics.decisions.labels(action=m.action, tier=d.tier or "none").inc()
             rep.decisions += 1
@@ -350,7 +388,7 @@ class ReconcileLoop:
             with self.tracer.start_as_current_span("kvtier.actuate") as span:
                 span.set_attribute("kvtier.layer", name)
                 span.set_attribute("kvtier.action", action)
-                span.set_attribute("kvtier.tier", (dst or src).value if (dst or src) else "none")
+                span.set_attribute("kvtier.tier", _tier_name(dst or src) or "none")
                 span.set_attribute("kvtier.blocks", len(items))
                 span.set_attribute("kvtier.decision_ids", [d.id for _, d, _ in items])
                 t0 = time.perf_counter()
@@ -360,7 +398,7 @@ class ReconcileLoop:
                 counts: Counter[str] = Counter()
                 for m, d, ref in items:
                     o = outcomes.get(ref.layer_key)
-                    d.outcome = o.outcome.value if o else "failed"  # type: ignore[assignment]
+                    d.outcome = _OUTCOME.get(o.outcome.value, "failed") if o else "failed"
                     if name == "shadow" and d.outcome != "failed":
                         d.outcome = "shadow"
                     d.detail = o.detail if o else "no outcome for key"
@@ -374,8 +412,9 @@ class ReconcileLoop:
                 for k, v in counts.items():
                     span.set_attribute(f"kvtier.outcome.{k}", v)
 
-    def _call(self, act: Actuator, action: str, src: Tier | None, dst: Tier | None,
-              refs: list[BlockRef]) -> ActuationResult:
+    def _call(
+        self, act: Actuator, action: str, src: Tier | None, dst: Tier | None, refs: list[BlockRef]
+    ) -> ActuationResult:
         try:
             self._fault("act")
             if action in ("prefetch", "admit"):
@@ -399,8 +438,11 @@ class ReconcileLoop:
             log.warning("actuator %s %s failed: %s", act.name, action, exc)
             from kvtier.controller.actuators.base import KeyOutcome, Outcome
 
-            return ActuationResult(act.name, action, [KeyOutcome(r.layer_key, Outcome.FAILED,
-                                                                 f"{type(exc).__name__}: {exc}") for r in refs])
+            return ActuationResult(
+                act.name,
+                action,
+                [KeyOutcome(r.layer_key, Outcome.FAILED, f"{type(exc).__name__}: {exc}") for r in refs],
+            )
 
     def _record(self, d: Decision, rep: TickReport) -> None:
         self.decisions.add(d)
@@ -430,7 +472,7 @@ class ReconcileLoop:
 
     # -- running ---------------------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event, *, min_interval_s: float = 0.05) -> None:
-        """Tick every ``tick_interval_s`` (earlier when woken, at most every ``min_interval_s``) until ``stop``."""
+        """Tick every ``tick_interval_s`` (sooner when woken, at most every ``min_interval_s``) till stop."""
         self._wake = asyncio.Event()
         while not stop.is_set():
             started = time.monotonic()
@@ -454,9 +496,15 @@ class ReconcileLoop:
             "tick": self.tick_no,
             "last_tick": self.last.to_dict() if self.last else None,
             "actuators": [
-                {"name": a.name, "capabilities": sorted(c.value for c in a.capabilities()),
-                 "health": {"breaker": (h := a.health()).breaker, "consecutive_failures": h.consecutive_failures,
-                            "last_error": h.last_error}}
+                {
+                    "name": a.name,
+                    "capabilities": sorted(c.value for c in a.capabilities()),
+                    "health": {
+                        "breaker": (h := a.health()).breaker,
+                        "consecutive_failures": h.consecutive_failures,
+                        "last_error": h.last_error,
+                    },
+                }
                 for a in self.actuators
             ],
             "pins": len(self.pins),

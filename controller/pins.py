@@ -74,7 +74,7 @@ class PinSet:
     def get(self, pin_id: str) -> Pin | None:
         return self._pins.get(pin_id)
 
-    def list(self) -> list[Pin]:
+    def all(self) -> list[Pin]:
         with self._lock:
             return sorted(self._pins.values(), key=lambda p: p.created_at_s)
 
@@ -87,7 +87,7 @@ class PinSet:
 
     def block_map(self, now_s: float) -> dict[int, Tier]:
         out: dict[int, Tier] = {}
-        for p in self.list():
+        for p in self.all():
             if p.expired(now_s):
                 continue
             for b in p.blocks:
@@ -99,7 +99,7 @@ class PinSet:
     def tokens(self, now_s: float) -> dict[int, tuple[Pin, int]]:
         """block -> (pin, index in its chain) for pins whose tokens are known."""
         out: dict[int, tuple[Pin, int]] = {}
-        for p in self.list():
+        for p in self.all():
             if p.expired(now_s) or p.token_ids is None:
                 continue
             for i, b in enumerate(p.blocks):

@@ -29,7 +29,7 @@ class ReusePredictor(Protocol):
 
 
 class HeuristicPredictor:
-    """``P = (1 - exp(-freq / 2)) * exp(-age / tau)``, ``tau`` = the block's reuse-gap EWMA (or ``tau_ms``)."""
+    """``P = (1 - exp(-freq / 2)) * exp(-age / tau)``; ``tau`` = 4 x the reuse-gap EWMA (or ``tau_ms``)."""
 
     name = "heuristic"
 

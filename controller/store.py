@@ -50,8 +50,9 @@ class StateStore:
     # -- pins ----------------------------------------------------------------------------------------------
     def save_pin(self, pin: Pin) -> None:
         with self._lock, self._db:
-            self._db.execute("INSERT OR REPLACE INTO pins(id, record) VALUES (?, ?)",
-                             (pin.id, json.dumps(pin.to_record())))
+            self._db.execute(
+                "INSERT OR REPLACE INTO pins(id, record) VALUES (?, ?)", (pin.id, json.dumps(pin.to_record()))
+            )
 
     def delete_pin(self, pin_id: str) -> None:
         with self._lock, self._db:
@@ -70,5 +71,7 @@ class StateStore:
 
     def latest_model(self) -> tuple[int, dict[str, Any], bytes | None] | None:
         with self._lock:
-            row = self._db.execute("SELECT version, info, blob FROM models ORDER BY version DESC LIMIT 1").fetchone()
+            row = self._db.execute(
+                "SELECT version, info, blob FROM models ORDER BY version DESC LIMIT 1"
+            ).fetchone()
         return None if row is None else (int(row[0]), json.loads(row[1]), row[2])

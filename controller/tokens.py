@@ -30,8 +30,9 @@ class TokenStore:
     def __contains__(self, h: int) -> bool:
         return to_key(h) in self._d
 
-    def on_block_stored(self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int],
-                        block_size: int) -> int:
+    def on_block_stored(
+        self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int
+    ) -> int:
         """Record a ``BlockStored`` event (tokens cover ``len(hashes)`` full blocks). Returns blocks kept."""
         if block_size <= 0 or not token_ids or len(token_ids) < len(hashes) * block_size:
             return 0

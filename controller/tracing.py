@@ -16,8 +16,9 @@ from opentelemetry.trace import Tracer
 log = logging.getLogger(__name__)
 
 
-def make_tracer_provider(service_name: str = "kvtier", exporter: SpanExporter | None = None,
-                         *, simple: bool = False) -> TracerProvider:
+def make_tracer_provider(
+    service_name: str = "kvtier", exporter: SpanExporter | None = None, *, simple: bool = False
+) -> TracerProvider:
     """A provider exporting to ``exporter`` (sync when ``simple``), else to OTLP when configured."""
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
     if exporter is None and os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):

@@ -130,8 +130,12 @@ class BlockView:
     @staticmethod
     def empty() -> BlockView:
         return BlockView(
-            np.zeros(0, np.int64), np.zeros(0, np.uint8), np.zeros(0, np.int32), np.zeros(0, np.int64),
-            np.zeros(0, np.float32), np.zeros(0, np.bool_),
+            np.zeros(0, np.int64),
+            np.zeros(0, np.uint8),
+            np.zeros(0, np.int32),
+            np.zeros(0, np.int64),
+            np.zeros(0, np.float32),
+            np.zeros(0, np.bool_),
         )
 
 
@@ -215,7 +219,9 @@ class Planner:
         v = self._last_move.get(block)
         return v[0] if v else None
 
-    def _in_flight(self, view: BlockView, now_s: float) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.uint8]]:
+    def _in_flight(
+        self, view: BlockView, now_s: float
+    ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.uint8]]:
         """Rows moved within the hysteresis window, and the tier mask with those moves assumed done."""
         n = len(view)
         mask = view.tier_mask
@@ -267,7 +273,7 @@ class Planner:
         """Plan this tick's moves.
 
         ``pins``: block -> tier it must stay in (or faster). ``pinned_at_layer``: pins the cache layer already
-        acknowledged (no ``pin`` action needed). ``pin_admittable``: pinned blocks not tracked in ``view`` whose
+        acknowledged (no ``pin`` action needed). ``pin_admittable``: pinned blocks not in ``view`` whose
         tokens are known (they can be admitted). ``allowed``: actions to consider (None = all).
         """
         cfg = self.config
@@ -317,7 +323,7 @@ class Planner:
                 continue
             v_here = values[spec.tier][cand]
             order = cand[_smallest(v_here, min(need, cfg.max_candidates_per_tier))]
-            slower_bits = sum(tier_bit(s.tier) for s in specs[i + 1:])
+            slower_bits = sum(tier_bit(s.tier) for s in specs[i + 1 :])
             nxt = specs[i + 1].tier if i + 1 < len(specs) else None
             for r in order:
                 h = int(view.hashes[r])

@@ -9,10 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.controller.actuators.base import ActuationResult, Actuator, BlockRef, Capability, KeyOutcome, Outcome
+from kvtier.controller.actuators.base import (
+    ActuationResult,
+    Actuator,
+    BlockRef,
+    Capability,
+    KeyOutcome,
+    Outcome,
+)
 from kvtier.policies.tiers import Tier
 
-_CAPS = frozenset({Capability.PROMOTE, Capability.DEMOTE, Capability.PREFETCH, Capability.PIN, Capability.EVICT})
+_CAPS = frozenset(
+    {Capability.PROMOTE, Capability.DEMOTE, Capability.PREFETCH, Capability.PIN, Capability.EVICT}
+)
 
 
 class ShadowActuator(Actuator):
@@ -26,8 +35,9 @@ class ShadowActuator(Actuator):
 
     def _rec(self, action: str, blocks: Sequence[BlockRef], tier: Tier | None) -> ActuationResult:
         self.calls.append((action, tuple(b.layer_key for b in blocks), tier.value if tier else None))
-        return ActuationResult(self.name, action, [KeyOutcome(b.layer_key, Outcome.SKIPPED, "shadow: recorded")
-                                                   for b in blocks])
+        return ActuationResult(
+            self.name, action, [KeyOutcome(b.layer_key, Outcome.SKIPPED, "shadow: recorded") for b in blocks]
+        )
 
     def promote(self, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
         return self._rec("promote", blocks, to)

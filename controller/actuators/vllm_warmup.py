@@ -23,16 +23,26 @@ from kvtier.controller.actuators.base import (
     KeyOutcome,
     Outcome,
 )
-from kvtier.controller.actuators.resilience import CircuitBreaker, CircuitOpen, HttpCaller, Resilient, RetryPolicy
+from kvtier.controller.actuators.resilience import (
+    CircuitBreaker,
+    CircuitOpen,
+    HttpCaller,
+    Resilient,
+    RetryPolicy,
+)
 from kvtier.policies.tiers import Tier
-
 
 
 class WarmupBudget:
     """Token bucket over prompt tokens and requests; ``burst_s`` seconds of rate deep. Clock in seconds."""
 
-    def __init__(self, tokens_per_s: float, requests_per_s: float, burst_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        tokens_per_s: float,
+        requests_per_s: float,
+        burst_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.tokens_per_s, self.requests_per_s, self.burst_s = tokens_per_s, requests_per_s, burst_s
         self._clock = clock
         self._tokens = tokens_per_s * burst_s
@@ -81,7 +91,9 @@ class VllmWarmupActuator(Actuator):
         self.budget = budget or WarmupBudget(tokens_per_s=4096, requests_per_s=4)
         self.breaker = breaker or CircuitBreaker()
         self._http = HttpCaller(
-            self.base_url, client=client or httpx.Client(timeout=timeout_s), timeout_s=timeout_s,
+            self.base_url,
+            client=client or httpx.Client(timeout=timeout_s),
+            timeout_s=timeout_s,
             resilient=Resilient(retry or RetryPolicy(max_attempts=2), self.breaker),
         )
         self.requests_sent = 0
@@ -91,15 +103,18 @@ class VllmWarmupActuator(Actuator):
         return frozenset({Capability.PREFETCH})
 
     def health(self) -> AdapterHealth:
-        return AdapterHealth(self.name, self.breaker.state, self.breaker.consecutive_failures,
-                             self.breaker.last_error)
+        return AdapterHealth(
+            self.name, self.breaker.state, self.breaker.consecutive_failures, self.breaker.last_error
+        )
 
     def prefetch(self, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
         t0 = time.perf_counter()
         res = ActuationResult(self.name, Capability.PREFETCH.value)
         if to is not Tier.GPU:
-            res.outcomes = [KeyOutcome(b.layer_key, Outcome.SKIPPED, f"vllm-warmup only warms gpu, not {to}")
-                            for b in blocks]
+            res.outcomes = [
+                KeyOutcome(b.layer_key, Outcome.SKIPPED, f"vllm-warmup only warms gpu, not {to}")
+                for b in blocks
+            ]
             return res
         with_tokens = [b for b in blocks if b.token_ids]
         outcome: dict[str, KeyOutcome] = {}

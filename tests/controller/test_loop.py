@@ -13,7 +13,14 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from kvtier.controller.actuators.base import ActuationResult, Actuator, BlockRef, Capability, KeyOutcome, Outcome
+from kvtier.controller.actuators.base import (
+    ActuationResult,
+    Actuator,
+    BlockRef,
+    Capability,
+    KeyOutcome,
+    Outcome,
+)
 from kvtier.controller.loop import ReconcileLoop
 from kvtier.controller.metrics import ControllerMetrics
 from kvtier.controller.pins import Pin, PinSet
@@ -60,12 +67,23 @@ def make(mode: str = "active", fail: bool = False):  # type: ignore[no-untyped-d
     tracer = make_tracer(make_tracer_provider(exporter=exporter, simple=True))
     clock = Clock()
     idx = BlockIndex()
-    doc = PolicyDoc(mode=mode, tiers=[TierConfig(tier=Tier.GPU, capacity_blocks=4, high_watermark=0.75,
-                                                 low_watermark=0.5),
-                                      TierConfig(tier=Tier.CPU, capacity_blocks=100)])
+    doc = PolicyDoc(
+        mode=mode,
+        tiers=[
+            TierConfig(tier=Tier.GPU, capacity_blocks=4, high_watermark=0.75, low_watermark=0.5),
+            TierConfig(tier=Tier.CPU, capacity_blocks=100),
+        ],
+    )
     act = Recorder(fail)
-    loop = ReconcileLoop(idx, policy=doc, actuators=[act], metrics=ControllerMetrics(reg), tracer=tracer,
-                         clock=clock, model="tiny")
+    loop = ReconcileLoop(
+        idx,
+        policy=doc,
+        actuators=[act],
+        metrics=ControllerMetrics(reg),
+        tracer=tracer,
+        clock=clock,
+        model="tiny",
+    )
     return loop, idx, act, reg, exporter, clock
 
 
@@ -91,8 +109,12 @@ def test_acts_on_difference_then_repeated_tick_is_noop() -> None:
         idx.store(h, None, Tier.CPU, t=clock.t * 1000)
     clock.t += 100
     assert loop.tick().decisions == 0
-    assert reg.get_sample_value("kvtier_actuations_total",
-                                {"layer": "recorder", "action": "demote", "outcome": "applied"}) == 2
+    assert (
+        reg.get_sample_value(
+            "kvtier_actuations_total", {"layer": "recorder", "action": "demote", "outcome": "applied"}
+        )
+        == 2
+    )
     assert reg.get_sample_value("kvtier_decisions_total", {"action": "demote", "tier": "cpu"}) == 2
 
 
@@ -125,7 +147,10 @@ def test_predictor_failure_falls_back_to_heuristic_and_counts() -> None:
     loop.fault.clear()
     rep = loop.tick()
     assert rep.outcome == "ok" and rep.predictor == "heuristic" and rep.decisions == 2
-    assert reg.get_sample_value("kvtier_loop_fallbacks_total", {"stage": "predict", "fallback": "heuristic"}) == 1
+    assert (
+        reg.get_sample_value("kvtier_loop_fallbacks_total", {"stage": "predict", "fallback": "heuristic"})
+        == 1
+    )
 
 
 @pytest.mark.parametrize("stage", ["observe", "plan"])
@@ -146,8 +171,12 @@ def test_actuator_exception_becomes_failed_outcomes() -> None:
     rep = loop.tick()
     assert rep.outcomes["failed"] == 2
     assert all(d.outcome == "failed" and "layer down" in d.detail for d in loop.decisions.query())
-    assert reg.get_sample_value("kvtier_actuations_total",
-                                {"layer": "recorder", "action": "demote", "outcome": "failed"}) == 2
+    assert (
+        reg.get_sample_value(
+            "kvtier_actuations_total", {"layer": "recorder", "action": "demote", "outcome": "failed"}
+        )
+        == 2
+    )
 
 
 def test_unsupported_action_recorded_as_shadow_in_active_mode() -> None:
@@ -164,11 +193,21 @@ def test_spans_per_tick_phase_and_actuation() -> None:
     fill_gpu(idx, clock)
     loop.tick()
     spans = {s.name: s for s in exporter.get_finished_spans()}
-    for name in ("kvtier.tick", "kvtier.observe", "kvtier.predict", "kvtier.plan", "kvtier.act",
-                 "kvtier.score", "kvtier.actuate"):
+    for name in (
+        "kvtier.tick",
+        "kvtier.observe",
+        "kvtier.predict",
+        "kvtier.plan",
+        "kvtier.act",
+        "kvtier.score",
+        "kvtier.actuate",
+    ):
         assert name in spans, name
     tick = spans["kvtier.tick"]
-    assert spans["kvtier.plan"].parent is not None and spans["kvtier.plan"].parent.span_id == tick.context.span_id
+    assert (
+        spans["kvtier.plan"].parent is not None
+        and spans["kvtier.plan"].parent.span_id == tick.context.span_id
+    )
     a = spans["kvtier.actuate"]
     assert a.attributes is not None and a.attributes["kvtier.layer"] == "recorder"
     assert a.attributes["kvtier.outcome.applied"] == 2
@@ -178,8 +217,12 @@ def test_metrics_series_exist_at_zero_on_start() -> None:
     reg = CollectorRegistry()
     ControllerMetrics(reg, layers=["vllm-warmup"])
     assert reg.get_sample_value("kvtier_decisions_total", {"action": "admit", "tier": "remote"}) == 0
-    assert reg.get_sample_value("kvtier_actuations_total",
-                                {"layer": "vllm-warmup", "action": "prefetch", "outcome": "failed"}) == 0
+    assert (
+        reg.get_sample_value(
+            "kvtier_actuations_total", {"layer": "vllm-warmup", "action": "prefetch", "outcome": "failed"}
+        )
+        == 0
+    )
     assert reg.get_sample_value("kvtier_shadow_hits_total") == 0
     assert reg.get_sample_value("kvtier_loop_tick_seconds_count") == 0
 

@@ -1,4 +1,4 @@
-"""Planner: value ordering, link budgets, watermarks, hysteresis, pins, last-copy safety (pure, table-like)."""
+"""Planner: value ordering, link budgets, watermarks, hysteresis, pins, last-copy safety (pure)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,14 @@ from kvtier.policies.tiers import Tier
 G, C, D = tier_bit(Tier.GPU), tier_bit(Tier.CPU), tier_bit(Tier.DISK)
 
 
-def view(masks: list[int], p: list[float], *, tokens: int = 32, nbytes: int = 1000,
-         admittable: list[bool] | None = None) -> BlockView:
+def view(
+    masks: list[int],
+    p: list[float],
+    *,
+    tokens: int = 32,
+    nbytes: int = 1000,
+    admittable: list[bool] | None = None,
+) -> BlockView:
     n = len(masks)
     return BlockView(
         hashes=np.arange(1, n + 1, dtype=np.int64),
@@ -75,7 +81,9 @@ def test_high_watermark_sheds_lowest_value_to_low_watermark() -> None:
     v = view([G, G, G, G], [0.9, 0.1, 0.5, 0.2])
     plan = Planner(cfg()).plan(v, 0.0)
     assert sorted((m.action, m.block, m.dst) for m in plan.moves) == [
-        ("demote", 2, Tier.CPU), ("demote", 4, Tier.CPU)]
+        ("demote", 2, Tier.CPU),
+        ("demote", 4, Tier.CPU),
+    ]
 
 
 def test_evict_only_redundant_copies_never_last_copy() -> None:
