@@ -16,6 +16,9 @@ app = typer.Typer(
 def _register() -> None:
     # Each module adds its commands to ``app`` (one line per subsystem keeps merges trivial).
     from kvtier.replay import cli as _replay_cli  # noqa: F401  (replay, compare)
+    from kvtier.controller import serve as _serve
+
+    _serve.register(app)  # serve
 
 
 def main() -> None:
