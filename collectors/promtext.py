@@ -39,7 +39,7 @@ def _blocks(text: str) -> list[str]:
     blocks: list[list[str]] = [[]]
     prev_header = False
     for line in text.splitlines():
-        header = line.startswith("# HELP ") or line.startswith("# TYPE ")
+        header = line.startswith(("# HELP ", "# TYPE "))
         if header and not prev_header and blocks[-1]:
             blocks.append([])
         blocks[-1].append(line)

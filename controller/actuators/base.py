@@ -23,7 +23,7 @@ Conventions (all adapters):
 
 from __future__ import annotations
 
-from abc import ABC
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -136,8 +136,9 @@ class Actuator(ABC):
 
     name: str = "abstract"
 
+    @abstractmethod
     def capabilities(self) -> frozenset[Capability]:
-        return frozenset()
+        """The actions this adapter performs; every other action method raises NotSupported."""
 
     def supports(self, cap: Capability | str) -> bool:
         return Capability(cap) in self.capabilities()

@@ -65,9 +65,9 @@ class FsL2Verifier:
         """The first local ``FSL2Adapter`` listed in ``GET /status``, or None."""
         adapters = (status.get("storage_manager") or {}).get("l2_adapters") or []
         for a in adapters:
-            if isinstance(a, dict) and a.get("type") == "FSL2Adapter" and a.get("base_path"):
-                if Path(str(a["base_path"])).is_dir():
-                    return cls(str(a["base_path"]))
+            if (isinstance(a, dict) and a.get("type") == "FSL2Adapter" and a.get("base_path")
+                    and Path(str(a["base_path"])).is_dir()):
+                return cls(str(a["base_path"]))
         return None
 
 
@@ -210,8 +210,9 @@ class LMCacheMPActuator(Actuator):
 
     def _prefetch_one(self, res: ActuationResult, ref: BlockRef, keys: list[ObjectKey],
                       labels: list[str]) -> list[KeyOutcome]:
-        body = {"model_name": ref.model, "world_size": self.world_size, "token_ids": list(ref.token_ids or ()),
-                "cache_salt": ref.cache_salt, "source_tier": "l2", "target_tier": "l1"}
+        body = {"model_name": ref.model, "world_size": self.world_size,
+                "token_ids": list(ref.token_ids or ()), "cache_salt": ref.cache_salt,
+                "source_tier": "l2", "target_tier": "l1"}
         reply = self._call(res, "POST", "/cache/prefetches", body)
         if reply.status != 202 or not isinstance(reply.body, dict):
             return all_keys(labels, Outcome.FAILED, f"HTTP {reply.status}: {_detail(reply)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -58,29 +59,33 @@ def tail(log: Path | None, n: int = 40) -> str:
 
 
 def start(cmd: list[str], log: Path, env: dict[str, str] | None = None,
-          cwd: Path | None = None) -> subprocess.Popen[bytes]:
+          cwd: Path | None = None, new_session: bool = True) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` with output to ``log``; ``new_session`` puts it in its own process group."""
     full_env = dict(os.environ)
     full_env.update(PEER_ENV)
     if env:
         full_env.update(env)
     fh = open(log, "ab")  # noqa: SIM115 - handed to the child
     return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
-                            start_new_session=True)
+                            start_new_session=new_session)
 
 
 def stop(proc: subprocess.Popen[bytes] | None, timeout_s: float = 15.0) -> None:
-    """SIGTERM the process group we started, then SIGKILL after ``timeout_s``."""
+    """SIGTERM the process (group, when it leads one), then SIGKILL after ``timeout_s``."""
     if proc is None or proc.poll() is not None:
         return
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
+        leader = os.getpgid(proc.pid) == proc.pid
+    except ProcessLookupError:
+        return
+    kill = (lambda sig: os.killpg(proc.pid, sig)) if leader else (lambda sig: os.kill(proc.pid, sig))
+    try:
+        kill(signal.SIGTERM)
     except ProcessLookupError:
         return
     try:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        with contextlib.suppress(ProcessLookupError):
+            kill(signal.SIGKILL)
         proc.wait(timeout=10)
