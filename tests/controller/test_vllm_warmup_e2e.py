@@ -44,16 +44,22 @@ def vllm_counter(text: str, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def vllm() -> Iterator[vllm_peer.VllmServer]:
-    with vllm_peer.running(extra_args=["--prefix-caching-hash-algo", "sha256_cbor"], num_gpu_blocks=64) as srv:
+    with vllm_peer.running(
+        extra_args=["--prefix-caching-hash-algo", "sha256_cbor"], num_gpu_blocks=64
+    ) as srv:
         yield srv
 
 
 class Served:
-    def __init__(self, plane: ControlPlane, registry: CollectorRegistry, exporter: InMemorySpanExporter) -> None:
+    def __init__(
+        self, plane: ControlPlane, registry: CollectorRegistry, exporter: InMemorySpanExporter
+    ) -> None:
         self.plane, self.registry, self.exporter = plane, registry, exporter
         port = vllm_peer.free_port()
         self.url = f"http://127.0.0.1:{port}"
-        cfg = uvicorn.Config(create_control_app(plane, registry), host="127.0.0.1", port=port, log_level="warning")
+        cfg = uvicorn.Config(
+            create_control_app(plane, registry), host="127.0.0.1", port=port, log_level="warning"
+        )
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -75,8 +81,14 @@ def sidecar(vllm: vllm_peer.VllmServer, tmp_path: Path) -> Iterator[Served]:
     tracer = make_tracer(make_tracer_provider(exporter=exporter, simple=True))
     act = VllmWarmupActuator(vllm.url, vllm.served_model_name, budget=WarmupBudget(4096, 4))
     plane = build_control_plane(
-        BlockIndex(), registry=registry, state_dir=tmp_path, actuators=[act], tracer=tracer, api_token=TOKEN,
-        engine_url=vllm.url, engine_model=vllm.served_model_name,
+        BlockIndex(),
+        registry=registry,
+        state_dir=tmp_path,
+        actuators=[act],
+        tracer=tracer,
+        api_token=TOKEN,
+        engine_url=vllm.url,
+        engine_model=vllm.served_model_name,
     )
     s = Served(plane, registry, exporter)
     try:
@@ -104,7 +116,10 @@ def test_pin_warms_prefix_into_vllm_gpu_cache(vllm: vllm_peer.VllmServer, sideca
     assert rep.outcomes["applied"] == n_blocks, rep.to_dict()  # one warm-up request covers the whole chain
     mid = vllm.metrics_text()
     hits0 = vllm_counter(mid, "vllm:prefix_cache_hits_total")
-    assert vllm_counter(mid, "vllm:request_success_total") == vllm_counter(before, "vllm:request_success_total") + 1
+    assert (
+        vllm_counter(mid, "vllm:request_success_total")
+        == vllm_counter(before, "vllm:request_success_total") + 1
+    )
 
     # the next real request with that prefix hits the warmed blocks in vLLM's own counters
     out = vllm.complete(prefix + " and then something new", max_tokens=2)
@@ -125,7 +140,11 @@ def test_pin_warms_prefix_into_vllm_gpu_cache(vllm: vllm_peer.VllmServer, sideca
     metrics = c.get("/metrics/").text
     applied = vllm_counter(metrics, "kvtier_actuations_total")
     assert applied >= n_blocks
-    assert 'kvtier_actuations_total{action="admit",layer="vllm-warmup",outcome="applied"} ' + f"{float(n_blocks)}" in metrics
+    assert (
+        'kvtier_actuations_total{action="admit",layer="vllm-warmup",outcome="applied"} '
+        + f"{float(n_blocks)}"
+        in metrics
+    )
     assert 'kvtier_decisions_total{action="admit",tier="gpu"} ' + f"{float(n_blocks)}" in metrics
 
     spans: list[Any] = [s for s in sidecar.exporter.get_finished_spans() if s.name == "kvtier.actuate"]
@@ -136,3 +155,74 @@ def test_pin_warms_prefix_into_vllm_gpu_cache(vllm: vllm_peer.VllmServer, sideca
     status = c.get("/v1/status").json()
     assert status["mode"] == "active"
     assert status["controller"]["actuators"][0]["health"]["breaker"] == "closed"
+
+
+def test_serve_path_pin_warm_then_index_confirms_and_loop_goes_quiet(
+    vllm: vllm_peer.VllmServer, tmp_path: Path
+) -> None:
+    """The ``kvtier serve`` wiring (collectors + KV events + reconcile loop + API on one uvicorn app)."""
+    from kvtier.controller.control_sidecar import ControlledSidecar, create_controlled_app
+    from kvtier.controller.settings import Settings
+
+    settings = Settings(
+        engine_urls=[vllm.url],
+        actuators=["vllm-warmup"],
+        mode="active",
+        state_dir=str(tmp_path),
+        api_token=TOKEN,
+        storage_enabled=False,
+        scrape_interval_s=0.5,
+        discovery_interval_s=0.5,
+    )
+    sc = ControlledSidecar(settings)
+    sc.plane.loop.policy = sc.plane.loop.policy.model_copy(update={"tick_interval_s": 0.2})
+    port = vllm_peer.free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_controlled_app(sc), host="127.0.0.1", port=port, log_level="warning")
+    )
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    c = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+
+    def until(cond: Any, what: str, timeout_s: float = 60.0) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            v = cond()
+            if v:
+                return v
+            time.sleep(0.1)  # polling a condition with a deadline
+        raise AssertionError(f"timed out waiting for {what}")
+
+    try:
+        until(lambda: server.started, "control API up")
+        until(lambda: c.get("/readyz").status_code == 200, "collectors ready (KV events subscribed)")
+        assert "/v1/pins" in c.get("/openapi.json").json()["paths"] and c.get("/docs").status_code == 200
+        rng = random.Random(99)
+        prefix = " ".join(f"w{rng.randrange(10**6)}" for _ in range(50))
+        pin = c.post("/v1/pins", json={"prompt": prefix, "tier": "gpu"}, headers=AUTH).json()
+        hashes = pin["block_hashes"]
+
+        def applied() -> list[dict[str, Any]]:
+            ds = c.get("/v1/decisions", params={"action": "admit", "limit": 100}).json()["decisions"]
+            return [d for d in ds if d["block_hash"] in hashes and d["outcome"] == "applied"]
+
+        until(lambda: len(applied()) == len(hashes), "warm-up applied by the running loop")
+        # vLLM's own KV events put exactly the pinned chain in the index, in gpu (hashes recomputed by kvtier)
+        until(
+            lambda: all(c.get(f"/v1/blocks/{h}").json().get("tiers") == ["gpu"] for h in hashes),
+            "BlockStored events for the warmed chain",
+        )
+        ticks = c.get("/v1/status").json()["controller"]["tick"]
+        until(lambda: c.get("/v1/status").json()["controller"]["tick"] >= ticks + 3, "more ticks")
+        assert len(applied()) == len(hashes)  # level-based: satisfied pins cause no further warm-ups
+        st = c.get("/v1/status").json()
+        assert st["mode"] == "active" and st["blocks_tracked"]["gpu"] >= len(hashes)
+        assert st["controller"]["actuators"][0]["name"] == "vllm-warmup"
+        assert st["controller"]["last_tick"]["outcome"] == "ok"
+        hits0 = vllm_counter(vllm.metrics_text(), "vllm:prefix_cache_hits_total")
+        vllm.complete(prefix + " tail", max_tokens=1)
+        gained = vllm_counter(vllm.metrics_text(), "vllm:prefix_cache_hits_total") - hits0
+        assert gained >= len(hashes) * vllm_peer.BLOCK_SIZE
+    finally:
+        server.should_exit = True
+        th.join(timeout=30)
