@@ -39,6 +39,7 @@ class Decision:
     outcome: Outcome = "planned"
     detail: str = ""
     tokens: int = 0  # prefill tokens a hit on this block saves
+    freq0: int = -1  # the block's access count in the index when decided (-1: untracked)
     came_back: bool | None = None  # accessed again within the horizon (None: not scored yet)
     score: float | None = None  # counterfactual hit gain (+1 / 0 / -1), None until scored
     scored_at_s: float | None = None
@@ -129,10 +130,23 @@ class DecisionLog:
         with self._lock:
             return list(self._pending)
 
+    def due(self, before_s: float, limit: int) -> list[Decision]:
+        """Oldest unscored decisions made before ``before_s`` (at most ``limit``)."""
+        out: list[Decision] = []
+        with self._lock:
+            for d in self._pending:
+                if d.at_s > before_s or len(out) >= limit:
+                    break
+                out.append(d)
+        return out
+
     def mark_scored(self, decisions: list[Decision]) -> None:
         done = {id(d) for d in decisions}
         with self._lock:
-            self._pending = deque(d for d in self._pending if id(d) not in done)
+            while self._pending and id(self._pending[0]) in done:
+                self._pending.popleft()
+            if any(id(d) in done for d in self._pending):
+                self._pending = deque(d for d in self._pending if id(d) not in done)
             for d in decisions:
                 r = self.report
                 r.scored += 1
@@ -149,11 +163,11 @@ class DecisionLog:
                     r.regrets += int(bool(d.came_back))
 
 
-def score(d: Decision, last_access_s: float | None, now_s: float, horizon_s: float) -> bool:
-    """Score ``d`` in place if it can be scored now; ``last_access_s`` is the block's latest access."""
-    back = last_access_s is not None and last_access_s > d.at_s and last_access_s <= d.at_s + horizon_s
-    if not back and now_s < d.at_s + horizon_s:
+def score(d: Decision, freq_now: int | None, now_s: float, horizon_s: float) -> bool:
+    """Score ``d`` in place once its horizon has passed: it came back if its access count grew since."""
+    if now_s < d.at_s + horizon_s:
         return False
+    back = freq_now is not None and d.freq0 >= 0 and freq_now > d.freq0
     d.came_back = back
     d.score = (1.0 if back else 0.0) if d.action in UPWARD else (-1.0 if back else 0.0)
     d.scored_at_s = now_s

@@ -141,6 +141,7 @@ class ReconcileLoop:
         self._busy = threading.Lock()
         self._wake: asyncio.Event | None = None
         self._tokens_buf: npt.NDArray[np.int32] = np.zeros(0, np.int32)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.fault: dict[str, BaseException] = {}  # test hook: stage -> exception to raise (fault injection)
         metrics.init_layers(a.name for a in self.actuators)
         metrics.set_mode(policy.mode)
@@ -358,6 +359,7 @@ class ReconcileLoop:
         for m in moves:
             act = self._actuator_for(m) if active else None
             r = view.lookup(m.block) if view.lookup else -1
+            freq0 = int(self.index.freq[r]) if r >= 0 else -1
             d = Decision(
                 id=self.decisions.new_id(),
                 tick=self.tick_no,
@@ -371,14 +373,15 @@ class ReconcileLoop:
                 pinned=m.pinned,
                 layer=act.name if act else "shadow",
                 tokens=self.policy.block_size_tokens,
+                freq0=freq0,
             )
-            self.metrics.decisions.labels(action=m.action, tier=d.tier or "none").inc()
+            self._child(self.metrics.decisions, m.action, d.tier or "none").inc()
             rep.decisions += 1
             if act is None:
                 d.outcome = "shadow"
                 d.detail = "shadow mode" if not active else "no actuator supports it"
                 self._record(d, rep)
-                self.metrics.actuations.labels(layer="shadow", action=m.action, outcome="shadow").inc()
+                self._child(self.metrics.actuations, "shadow", m.action, "shadow").inc()
                 continue
             ref = self._ref(m, pin_tokens)
             groups.setdefault((act.name, m.action, m.src, m.dst), []).append((m, d, ref))
@@ -444,31 +447,37 @@ class ReconcileLoop:
                 [KeyOutcome(r.layer_key, Outcome.FAILED, f"{type(exc).__name__}: {exc}") for r in refs],
             )
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """Cached labelled child (``labels()`` is too slow for the per-decision path)."""
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
     def _record(self, d: Decision, rep: TickReport) -> None:
         self.decisions.add(d)
         rep.outcomes[d.outcome] += 1
-        self.metrics.decision_outcomes.labels(action=d.action, outcome=d.outcome).inc()
+        self._child(self.metrics.decision_outcomes, d.action, d.outcome).inc()
 
     # -- counterfactual scoring ----------------------------------------------------------------------------
     def _score(self, now: float) -> None:
         horizon = self.policy.shadow_horizon_s
-        done: list[Decision] = []
         idx = self.index
-        for d in self.decisions.pending()[: self.max_score_per_tick]:
-            s = idx.slot_of(d.block)
-            last = float(idx.last_access[s]) / self.index_ms_per_s if s >= 0 else None
-            if score(d, last, now, horizon):
-                done.append(d)
-        if not done:
+        due = self.decisions.due(now - horizon, self.max_score_per_tick)
+        if not due:
             return
-        self.decisions.mark_scored(done)
-        for d in done:
-            self.metrics.shadow_scored.inc()
-            if d.came_back and d.score and d.score > 0:
-                self.metrics.shadow_hits.inc()
-                self.metrics.shadow_tokens.inc(d.tokens)
-            elif d.came_back:
-                self.metrics.shadow_regrets.inc()
+        for d in due:
+            s = idx.slot_of(d.block)
+            ok = s >= 0 and int(idx.hash[s]) == d.block
+            score(d, int(idx.freq[s]) if ok else None, now, horizon)
+        self.decisions.mark_scored(due)
+        m = self.metrics
+        m.shadow_scored.inc(len(due))
+        hits = [d for d in due if d.came_back and d.score and d.score > 0]
+        m.shadow_hits.inc(len(hits))
+        m.shadow_tokens.inc(sum(d.tokens for d in hits))
+        m.shadow_regrets.inc(sum(1 for d in due if d.came_back and not (d.score and d.score > 0)))
 
     # -- running ---------------------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event, *, min_interval_s: float = 0.05) -> None:

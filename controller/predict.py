@@ -14,6 +14,7 @@ import numpy.typing as npt
 from kvtier.policies.index import BlockIndex
 
 Probs = npt.NDArray[np.float32]
+_FREQ_TERM = (1.0 - np.exp(-np.arange(65, dtype=np.float32) / 2.0)).astype(np.float32)
 
 
 @runtime_checkable
@@ -37,13 +38,19 @@ class HeuristicPredictor:
         self.tau_ms = tau_ms
 
     def predict(self, index: BlockIndex, n: int, now_ms: float) -> Probs:
-        freq = index.freq[:n].astype(np.float32)
-        age = np.maximum(0.0, now_ms - index.last_access[:n]).astype(np.float32)
-        tau = index.gap_ewma[:n]
-        tau = np.where(np.isnan(tau), np.float32(self.tau_ms), np.maximum(tau, np.float32(1.0)) * 4)
-        p = (1.0 - np.exp(-freq / 2.0)) * np.exp(-age / tau)
+        f = np.minimum(index.freq[:n], len(_FREQ_TERM) - 1)
+        p = _FREQ_TERM[f]  # 1 - exp(-freq / 2), from a table (float32)
+        age = np.subtract(np.float64(now_ms), index.last_access[:n], dtype=np.float32)
+        np.maximum(age, 0.0, out=age)
+        tau = index.gap_ewma[:n] * np.float32(4.0)
+        np.maximum(tau, np.float32(4.0), out=tau)
+        tau[np.isnan(tau)] = np.float32(self.tau_ms)
+        np.divide(age, tau, out=age)
+        np.negative(age, out=age)
+        np.exp(age, out=age)
+        p *= age
         p[~index.used[:n]] = 0.0
-        return p.astype(np.float32)
+        return p
 
     def info(self) -> dict[str, Any]:
         return {"name": self.name, "version": "heuristic-1", "tau_ms": self.tau_ms, "trained": False}

@@ -40,9 +40,17 @@ ACTIONS: tuple[Action, ...] = ("promote", "demote", "prefetch", "pin", "evict", 
 NOWHERE = "none"  # link end for admissions (recompute / load from outside) and evictions
 
 
+_BITS = {t: 1 << i for i, t in enumerate(TIER_ORDER)}
+# residency mask -> rank of its fastest tier (len(TIER_ORDER) when empty), as a 256-entry lookup table
+_FIRST_RANK = np.array(
+    [next((r for r in range(len(TIER_ORDER)) if m >> r & 1), len(TIER_ORDER)) for m in range(256)], np.int8
+)
+_RANK = {t: i for i, t in enumerate(TIER_ORDER)}
+
+
 def tier_bit(tier: Tier) -> int:
     """Bit of ``tier`` in a residency mask (gpu=1, cpu=2, disk=4, remote=8)."""
-    return 1 << tier.rank
+    return _BITS[tier]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +122,20 @@ class BlockView:
     admittable: npt.NDArray[np.bool_]
     lookup: Callable[[int], int] | None = None  # block -> row (-1 if absent); faster than a scan
 
+    def rows_all(self, blocks: Collection[int]) -> npt.NDArray[np.int64]:
+        """Row of each block, -1 where absent (aligned with ``blocks``)."""
+        if self.lookup is not None:
+            get = self.lookup
+            return np.fromiter((get(b) for b in blocks), np.int64, len(blocks))
+        keys = np.fromiter(blocks, np.int64, len(blocks))
+        if len(self) == 0:
+            return np.full(len(keys), -1, np.int64)
+        order = np.argsort(self.hashes, kind="stable")
+        pos = np.searchsorted(self.hashes, keys, sorter=order)
+        pos = np.minimum(pos, max(0, len(self) - 1))
+        rows = order[pos]
+        return np.where(self.hashes[rows] == keys, rows, -1).astype(np.int64)
+
     def rows_of(self, blocks: Collection[int]) -> npt.NDArray[np.int64]:
         """Rows of the given blocks that are in the view (absent ones dropped)."""
         if not blocks:
@@ -180,7 +202,8 @@ class Planner:
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
         self._buckets: dict[str, _Bucket] = {}
-        self._last_move: dict[int, tuple[float, Move]] = {}  # block -> (now_s, move) last committed
+        # block -> (now_s, move, bits it clears, bits it sets), ordered by commit time
+        self._last_move: dict[int, tuple[float, Move, int, int]] = {}
 
     def reconfigure(self, config: PlannerConfig) -> None:
         """Swap the config at a tick boundary (buckets are kept, clipped to the new depth)."""
@@ -209,11 +232,18 @@ class Planner:
 
         Until observed state catches up (at most ``hysteresis_s``; pins ``pin_retry_s``) the planner assumes
         their effect, so re-planning the same state is a no-op and a block is not moved again."""
+        lm = self._last_move
         for m in moves:
-            self._last_move[m.block] = (now_s, m)
-        if len(self._last_move) > 100_000:  # prune entries that no longer hold anything
-            horizon = now_s - max(self.config.hysteresis_s, self.config.pin_retry_s)
-            self._last_move = {k: v for k, v in self._last_move.items() if v[0] >= horizon}
+            lm.pop(m.block, None)  # re-insert at the end: the dict stays ordered by commit time
+            clear = _BITS[m.src] if m.action in ("demote", "evict") and m.src is not None else 0
+            put = _BITS[m.dst] if m.dst is not None and m.action != "evict" else 0
+            lm[m.block] = (now_s, m, clear, put)
+        horizon = now_s - max(self.config.hysteresis_s, self.config.pin_retry_s)
+        while lm:
+            k = next(iter(lm))
+            if lm[k][0] >= horizon:
+                break
+            del lm[k]
 
     def last_move_s(self, block: int) -> float | None:
         v = self._last_move.get(block)
@@ -225,25 +255,22 @@ class Planner:
         """Rows moved within the hysteresis window, and the tier mask with those moves assumed done."""
         n = len(view)
         mask = view.tier_mask
-        if not self._last_move:
-            return np.zeros(n, np.bool_), mask
-        horizon = now_s - self.config.hysteresis_s
-        live = {k: m for k, (t, m) in self._last_move.items() if t > horizon}
-        if not live:
-            return np.zeros(n, np.bool_), mask
-        rows = view.rows_of(live.keys())
         recent = np.zeros(n, np.bool_)
+        horizon = now_s - self.config.hysteresis_s
+        live = [(k, v[2], v[3]) for k, v in self._last_move.items() if v[0] > horizon]
+        if not live:
+            return recent, mask
+        keys = [k for k, _, _ in live]
+        rows = view.rows_all(keys)
+        ok = rows >= 0
+        if not ok.any():
+            return recent, mask
+        clear = np.fromiter((c for _, c, _ in live), np.uint8, len(live))[ok]
+        put = np.fromiter((p for _, _, p in live), np.uint8, len(live))[ok]
+        rows = rows[ok]
         recent[rows] = True
-        if rows.size:
-            mask = mask.copy()
-            for r in rows.tolist():
-                m = live[int(view.hashes[r])]
-                bits = int(mask[r])
-                if m.action in ("demote", "evict") and m.src is not None:
-                    bits &= ~tier_bit(m.src)
-                if m.dst is not None and m.action != "evict":
-                    bits |= tier_bit(m.dst)
-                mask[r] = bits
+        mask = mask.copy()
+        mask[rows] = (mask[rows] & ~clear) | put
         return recent, mask
 
     # -- planning ------------------------------------------------------------------------------------------
@@ -282,83 +309,105 @@ class Planner:
         n = len(view)
         specs = cfg.tiers
         recent, tier_mask = self._in_flight(view, now_s)
-        first_bit = np.zeros(n, np.int8) + len(TIER_ORDER)  # rank of fastest resident tier; 4 = none
-        for t in reversed(TIER_ORDER):
-            first_bit[(tier_mask & tier_bit(t)) != 0] = t.rank
+        first_bit = _FIRST_RANK[tier_mask]  # rank of the fastest resident tier; 4 = none
         pinned_rows = np.zeros(n, np.bool_)
         pinned_rows[view.rows_of(pins.keys())] = True
 
-        candidates: list[tuple[int, float, Move]] = []  # (class, sort key, move); class 0 = pin, 1 = shed
+        candidates: list[tuple[int, float, Move]] = []  # (class, sort key, move); 0 pin, 1 shed, 2 gain
         # 1. pins
         pin_moves = self._plan_pins(view, now_s, pins, pinned_at_layer, pin_admittable, first_bit, plan)
         candidates.extend((0, -m.value_s, m) for m in pin_moves)
-        values = {s.tier: self.value(view, s.tier) for s in specs}
+        # per-rank load bandwidth (index = tier rank; unmanaged tiers get the slowest managed bandwidth)
+        bw = np.full(len(TIER_ORDER) + 1, min((sp.load_bandwidth_bytes_s for sp in specs), default=1e10))
+        for sp in specs:
+            bw[sp.tier.rank] = sp.load_bandwidth_bytes_s
+        ops_cap = self._ops_cap()
+
+        def val(rows: npt.NDArray[np.intp], rank: int | npt.NDArray[np.int8]) -> npt.NDArray[np.float64]:
+            """v at tier ``rank`` for ``rows`` (rank 4 = not resident: 0)."""
+            p = view.p_reuse[rows].astype(np.float64)
+            saved = view.tokens[rows].astype(np.float64) * cfg.prefill_s_per_token
+            out = p * (saved - view.nbytes[rows].astype(np.float64) / bw[rank])
+            if not isinstance(rank, int):
+                out[rank == len(TIER_ORDER)] = 0.0
+            elif rank == len(TIER_ORDER):
+                out[:] = 0.0
+            return out
 
         # 2. watermarks: shed lowest-value blocks from tiers above their high watermark.
-        usage: dict[Tier, int] = {}
-        for spec in specs:
-            resident = (tier_mask & tier_bit(spec.tier)) != 0
-            count = int(resident.sum())
-            usage[spec.tier] = count
-            plan.tier_usage[spec.tier.value] = count
         room: dict[Tier, int] = {}
+        by_mask = np.bincount(tier_mask, minlength=256)  # one pass: blocks per residency mask
+        masks = np.arange(256)
         for i, spec in enumerate(specs):
-            count, cap = usage[spec.tier], spec.capacity_blocks
+            bit = tier_bit(spec.tier)
+            count = int(by_mask[(masks & bit) != 0].sum())
+            plan.tier_usage[spec.tier.value] = count
+            cap = spec.capacity_blocks
             high, low = int(spec.high_watermark * cap), int(spec.low_watermark * cap)
             if count <= high:
                 room[spec.tier] = high - count
                 continue
             room[spec.tier] = 0
+            resident = (tier_mask & bit) != 0
             need = count - low
-            resident = (tier_mask & tier_bit(spec.tier)) != 0
             protected = np.zeros(n, bool)
             if pins:
-                pin_rank = np.array([pins.get(int(h), Tier.REMOTE).rank for h in view.hashes[pinned_rows]])
-                rows = np.flatnonzero(pinned_rows)
-                protected[rows[pin_rank >= spec.tier.rank]] = True
-            plan.held["pinned"] += int((resident & protected).sum())
-            plan.held["hysteresis"] += int((resident & recent & ~protected).sum())
+                prow = np.flatnonzero(pinned_rows)
+                pin_rank = np.array([pins.get(int(h), Tier.REMOTE).rank for h in view.hashes[prow]], np.int64)
+                protected[prow[pin_rank >= spec.tier.rank]] = True
+            plan.held["pinned"] += int(np.count_nonzero(resident & protected))
+            plan.held["hysteresis"] += int(np.count_nonzero(resident & recent & ~protected))
             cand = np.flatnonzero(resident & ~protected & ~recent)
             if cand.size == 0:
                 continue
-            v_here = values[spec.tier][cand]
-            order = cand[_smallest(v_here, min(need, cfg.max_candidates_per_tier))]
-            slower_bits = sum(tier_bit(s.tier) for s in specs[i + 1 :])
+            v_here = val(cand, spec.tier.rank)
+            take = _smallest(v_here, min(need, cfg.max_candidates_per_tier, ops_cap))
+            order, v_order = cand[take], v_here[take]
+            slower_bits = sum(tier_bit(sp.tier) for sp in specs[i + 1 :])
             nxt = specs[i + 1].tier if i + 1 < len(specs) else None
-            for r in order:
+            v_next = val(order, nxt.rank) if nxt is not None else np.zeros(order.size)
+            n_evict = n_demote = 0
+            for j, r in enumerate(order.tolist()):
                 h = int(view.hashes[r])
                 if int(tier_mask[r]) & slower_bits:
-                    m = Move("evict", h, spec.tier, None, -float(values[spec.tier][r]), int(view.nbytes[r]))
+                    m = Move("evict", h, spec.tier, None, -float(v_order[j]), int(view.nbytes[r]))
+                    n_evict += 1
                 elif nxt is not None:
-                    loss = float(values[spec.tier][r] - values[nxt][r])
-                    m = Move("demote", h, spec.tier, nxt, -loss, int(view.nbytes[r]))
+                    m = Move("demote", h, spec.tier, nxt, -float(v_order[j] - v_next[j]), int(view.nbytes[r]))
+                    n_demote += 1
                 else:
                     plan.held["last_copy"] += 1
                     continue
                 candidates.append((1, -m.value_s, m))
+            beyond = min(need, cand.size) - order.size  # qualified but past the per-tick cap
+            if beyond > 0:
+                plan.tried["demote" if nxt is not None else "evict"] += beyond
+                plan.deferred["demote" if nxt is not None else "evict"] += beyond
 
         # 3. promotions / prefetches / admissions into free room, highest gain first.
+        elig: npt.NDArray[np.intp] | None = None  # rows that may move up at all (computed once, lazily)
         for spec in specs:
             free = room.get(spec.tier, 0)
             if free <= 0:
                 continue
-            slower = first_bit > spec.tier.rank
-            v_dst = values[spec.tier]
-            v_src = np.zeros(n)
-            for s in specs:
-                if s.tier.rank > spec.tier.rank:
-                    sel = first_bit == s.tier.rank
-                    v_src[sel] = values[s.tier][sel]
-            not_resident = first_bit == len(TIER_ORDER)
-            ok = slower & ~recent & ~pinned_rows & (view.p_reuse >= cfg.reuse_threshold)
-            ok &= ~not_resident | view.admittable
-            gain = v_dst - v_src
-            ok &= gain > cfg.min_gain_s
-            cand = np.flatnonzero(ok)
+            if elig is None:
+                ok = view.p_reuse >= cfg.reuse_threshold
+                ok &= ~recent
+                ok &= ~pinned_rows
+                ok &= (first_bit < len(TIER_ORDER)) | view.admittable
+                ok &= first_bit > specs[0].tier.rank
+                elig = np.flatnonzero(ok)
+            cand = elig[first_bit[elig] > spec.tier.rank]
             if cand.size == 0:
                 continue
-            order = cand[_largest(gain[cand], min(free, cfg.max_candidates_per_tier))]
-            for r in order:
+            gain = val(cand, spec.tier.rank) - val(cand, first_bit[cand])
+            good = gain > cfg.min_gain_s
+            cand, gain = cand[good], gain[good]
+            if cand.size == 0:
+                continue
+            take = _largest(gain, min(free, cfg.max_candidates_per_tier, ops_cap))
+            order, g_order = cand[take], gain[take]
+            for j, r in enumerate(order.tolist()):
                 src_rank = int(first_bit[r])
                 src = TIER_ORDER[src_rank] if src_rank < len(TIER_ORDER) else None
                 if src is None:
@@ -367,8 +416,13 @@ class Planner:
                     action = "prefetch"
                 else:
                     action = "promote"
-                m = Move(action, int(view.hashes[r]), src, spec.tier, float(gain[r]), int(view.nbytes[r]))
+                m = Move(action, int(view.hashes[r]), src, spec.tier, float(g_order[j]), int(view.nbytes[r]))
                 candidates.append((2, -m.value_s, m))
+            beyond = min(free, cand.size) - order.size
+            if beyond > 0:
+                a = "prefetch" if spec.tier is Tier.GPU else "promote"
+                plan.tried[a] += beyond
+                plan.deferred[a] += beyond
             # the same block must not be promoted into two tiers in one tick
             first_bit[order] = spec.tier.rank
 
@@ -386,6 +440,11 @@ class Planner:
             bk.bytes -= m.nbytes
             plan.moves.append(m)
         return plan
+
+    def _ops_cap(self) -> int:
+        """Most moves any one link could afford in a tick (bounds the candidates materialised per tier)."""
+        budgets = [self.config.default_budget, *self.config.budgets.values()]
+        return max(1, int(max(b.ops_per_s * b.burst_s for b in budgets)) + 1)
 
     def _plan_pins(
         self,
