@@ -58,10 +58,16 @@ def run_one(n: int, ticks: int = 60, seed: int = 0) -> dict[str, float]:
     counts = idx.count_by_tier()
     doc = PolicyDoc(
         mode="shadow",
-        tiers=[TierConfig(tier=Tier.GPU, capacity_blocks=int(counts[Tier.GPU] * 1.02), load_bandwidth_bytes_s=1e12),
-               TierConfig(tier=Tier.CPU, capacity_blocks=int(counts[Tier.CPU] * 1.10), load_bandwidth_bytes_s=2e10),
-               TierConfig(tier=Tier.DISK, capacity_blocks=n, load_bandwidth_bytes_s=2e9)],
-    )  # fmt: skip
+        tiers=[
+            TierConfig(
+                tier=Tier.GPU, capacity_blocks=int(counts[Tier.GPU] * 1.02), load_bandwidth_bytes_s=1e12
+            ),
+            TierConfig(
+                tier=Tier.CPU, capacity_blocks=int(counts[Tier.CPU] * 1.10), load_bandwidth_bytes_s=2e10
+            ),
+            TierConfig(tier=Tier.DISK, capacity_blocks=n, load_bandwidth_bytes_s=2e9),
+        ],
+    )
     now = [3_600.0]
     reg = CollectorRegistry()
     loop = ReconcileLoop(idx, policy=doc, metrics=ControllerMetrics(reg), clock=lambda: now[0])
@@ -80,15 +86,24 @@ def run_one(n: int, ticks: int = 60, seed: int = 0) -> dict[str, float]:
     cpu = np.array(cpus[5:]) * 1000
     mem = rss_bytes() - base
     return {
-        "blocks": n, "build_s": build_s, "ticks": len(d), "tick_p50_ms": float(np.percentile(d, 50)),
-        "tick_p99_ms": float(np.percentile(d, 99)), "tick_max_ms": float(d.max()),
-        "tick_cpu_p50_ms": float(np.percentile(cpu, 50)), "tick_cpu_p99_ms": float(np.percentile(cpu, 99)),
+        "blocks": n,
+        "build_s": build_s,
+        "ticks": len(d),
+        "tick_p50_ms": float(np.percentile(d, 50)),
+        "tick_p99_ms": float(np.percentile(d, 99)),
+        "tick_max_ms": float(d.max()),
+        "tick_cpu_p50_ms": float(np.percentile(cpu, 50)),
+        "tick_cpu_p99_ms": float(np.percentile(cpu, 99)),
         "loadavg_1m": os.getloadavg()[0],
-        "decisions_per_tick": decisions / ticks, "rss_growth_bytes": mem, "bytes_per_block": mem / n,
+        "decisions_per_tick": decisions / ticks,
+        "rss_growth_bytes": mem,
+        "bytes_per_block": mem / n,
         "index_estimate_bytes_per_block": idx.nbytes_per_block(),
-        "phase_mean_ms": {ph: 1000 * (reg.get_sample_value("kvtier_loop_phase_seconds_sum", {"phase": ph}) or 0)
-                          / ticks for ph in ("observe", "predict", "plan", "act", "score")},
-    }  # fmt: skip
+        "phase_mean_ms": {
+            ph: 1000 * (reg.get_sample_value("kvtier_loop_phase_seconds_sum", {"phase": ph}) or 0) / ticks
+            for ph in ("observe", "predict", "plan", "act", "score")
+        },
+    }
 
 
 def main(argv: list[str]) -> None:
@@ -97,15 +112,21 @@ def main(argv: list[str]) -> None:
         return
     rows = []
     for n in (100_000, 1_000_000, 5_000_000):
-        out = subprocess.run([sys.executable, "-m", "bench.control_tick", str(n)], capture_output=True, text=True,
-                             check=True)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "bench.control_tick", str(n)], capture_output=True, text=True, check=True
+        )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"{'blocks':>10} {'p50 ms':>8} {'p99 ms':>8} {'cpu p50':>8} {'cpu p99':>8} {'dec/tick':>9} "
-          f"{'B/block':>8} {'p99/50ms':>9} {'B/256':>6} {'load':>5}")  # fmt: skip
+    print(
+        f"{'blocks':>10} {'p50 ms':>8} {'p99 ms':>8} {'cpu p50':>8} {'cpu p99':>8} {'dec/tick':>9} "
+        f"{'B/block':>8} {'p99/50ms':>9} {'B/256':>6} {'load':>5}"
+    )
     for r in rows:
-        print(f"{r['blocks']:>10,} {r['tick_p50_ms']:>8.1f} {r['tick_p99_ms']:>8.1f} {r['tick_cpu_p50_ms']:>8.1f} "
-              f"{r['tick_cpu_p99_ms']:>8.1f} {r['decisions_per_tick']:>9.1f} {r['bytes_per_block']:>8.0f} "
-              f"{r['tick_p99_ms'] / 50:>9.2f} {r['bytes_per_block'] / 256:>6.2f} {r['loadavg_1m']:>5.1f}")  # fmt: skip
+        print(
+            f"{r['blocks']:>10,} {r['tick_p50_ms']:>8.1f} {r['tick_p99_ms']:>8.1f} "
+            f"{r['tick_cpu_p50_ms']:>8.1f} "
+            f"{r['tick_cpu_p99_ms']:>8.1f} {r['decisions_per_tick']:>9.1f} {r['bytes_per_block']:>8.0f} "
+            f"{r['tick_p99_ms'] / 50:>9.2f} {r['bytes_per_block'] / 256:>6.2f} {r['loadavg_1m']:>5.1f}"
+        )
     one_m = next(r for r in rows if r["blocks"] == 1_000_000)
     ok = one_m["tick_p99_ms"] <= 50 and one_m["bytes_per_block"] <= 256
     print(f"targets at 1M (p99 <= 50 ms, <= 256 B/block): {'MET' if ok else 'NOT MET'}")

@@ -96,6 +96,11 @@ class DecisionLog:
     def __len__(self) -> int:
         return len(self._d)
 
+    @property
+    def total(self) -> int:
+        """Decisions ever recorded (the ring keeps the newest ``max_len``)."""
+        return self._next - 1
+
     def __iter__(self) -> Iterator[Decision]:
         with self._lock:
             return iter(list(self._d))

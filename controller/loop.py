@@ -117,6 +117,7 @@ class ReconcileLoop:
         model: str = "",
         index_ms_per_s: float = 1000.0,
         max_score_per_tick: int = 20_000,
+        assume_admittable: bool = False,
     ) -> None:
         self.index = index
         self.policy = policy
@@ -133,6 +134,7 @@ class ReconcileLoop:
         self.model = model
         self.index_ms_per_s = index_ms_per_s
         self.max_score_per_tick = max_score_per_tick
+        self.assume_admittable = assume_admittable  # replay: any block can be re-created (recompute)
         self.planner = Planner(policy.planner_config())
         self.pinned_at_layer: set[int] = set()
         self.tick_no = 0
@@ -317,6 +319,8 @@ class ReconcileLoop:
 
     def _admittable(self, view: BlockView, p: npt.NDArray[np.float32]) -> npt.NDArray[np.bool_]:
         """Non-resident blocks whose chain tokens are known (checked for the likeliest candidates only)."""
+        if self.assume_admittable:
+            return np.ones(len(view), np.bool_)
         adm = np.zeros(len(view), np.bool_)
         if len(self.tokens) == 0:
             return adm

@@ -1,4 +1,4 @@
-"""REST policy API in-process (ASGI, real FastAPI app, real SQLite state dir): validation, auth, persistence"""
+"""REST policy API in-process (ASGI, real FastAPI app, real SQLite state dir): validation, auth, restarts"""
 
 from __future__ import annotations
 

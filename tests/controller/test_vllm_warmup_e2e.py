@@ -1,4 +1,4 @@
-"""Against a REAL vLLM (CPU build): in active mode with vllm-warmup, pinning a prefix through the API warms it.
+"""Against a REAL vLLM (CPU build): in active mode with vllm-warmup, pinning a prefix via the API warms it.
 
 The sidecar's control API runs on a real uvicorn server; the pin is tokenized by vLLM's own /tokenize; one
 reconcile tick sends the warm-up; the next request with that prefix is a prefix-cache hit in vLLM's own
@@ -101,7 +101,7 @@ def sidecar(vllm: vllm_peer.VllmServer, tmp_path: Path) -> Iterator[Served]:
 
 def test_pin_warms_prefix_into_vllm_gpu_cache(vllm: vllm_peer.VllmServer, sidecar: Served) -> None:
     c = httpx.Client(base_url=sidecar.url, timeout=30)
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda"]
     rng = random.Random(1234)
     prefix = " ".join(rng.choice(words) + str(rng.randrange(1000)) for _ in range(60))  # never sent before
     assert c.patch("/v1/policy", json={"mode": "active"}, headers=AUTH).status_code == 200
