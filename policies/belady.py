@@ -22,6 +22,7 @@ class BeladyPolicy(Policy):
     def __init__(self, capacity_blocks: int, *, seed: int = 0) -> None:
         super().__init__(capacity_blocks, seed=seed)
         self._next: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._ids: np.ndarray = np.zeros(0, dtype=np.int64)
         self._pos = 0
         self._nu: dict[int, int] = {}  # resident block -> next use position
         self._depth: dict[int, int] = {}
@@ -35,6 +36,7 @@ class BeladyPolicy(Policy):
         same = ids[order[1:]] == ids[order[:-1]]
         nxt[order[:-1][same]] = order[1:][same]
         self._next = nxt
+        self._ids = ids
         self._pos = 0
 
     def access(self, req: Request) -> HitMask:
@@ -42,6 +44,8 @@ class BeladyPolicy(Policy):
         n = len(ids)
         if self._pos + n > self._next.size:
             raise RuntimeError("belady: fed more accesses than prepare() saw")
+        if not np.array_equal(self._ids[self._pos : self._pos + n], req.hash_ids):
+            raise RuntimeError(f"belady: request at access {self._pos} differs from what prepare() saw")
         nexts = self._next[self._pos : self._pos + n].tolist()
         self._pos += n
         hits = [False] * n

@@ -180,7 +180,9 @@ class BlockIndex:
         n = self._n
         cand = np.flatnonzero(self.used[:n] & (self.tiers[:n] == 0) & (self.n_children[:n] == 0))
         if cand.size == 0:
-            raise IndexFullError(f"block index full ({self.max_blocks} blocks, all resident or with children)")
+            raise IndexFullError(
+                f"block index full ({self.max_blocks} blocks, all resident or with children)"
+            )
         k = max(1, min(cand.size, self.capacity // 16))
         if k < cand.size:
             cand = cand[np.argpartition(self.last_access[cand], k - 1)[:k]]
@@ -296,7 +298,9 @@ class BlockIndex:
         return self._clear_tier(s, _tier_rank(tier))
 
     def clear(self, tier: Tier | str | int | None = None) -> int:
-        """Everything left ``tier`` (all tiers if None), e.g. vLLM ``AllBlocksCleared``. Returns blocks affected."""
+        """Everything left ``tier`` (all tiers if None), e.g. vLLM ``AllBlocksCleared``.
+
+        Returns the number of blocks affected."""
         n = self._n
         ranks = range(_N_TIERS) if tier is None else [_tier_rank(tier)]
         mask = np.uint8(sum(1 << r for r in ranks))

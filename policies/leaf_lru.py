@@ -21,17 +21,29 @@ class LeafLRUPolicy(Policy):
         self._parent: dict[int, int] = {}  # resident block -> parent id (-1 root)
         self._kids: dict[int, int] = {}  # resident block -> resident children
         self._heap: list[tuple[int, int, int]] = []  # (stamp, -depth, block)
+        self._pending: list[tuple[int, int]] = []  # (depth, block) of the in-flight request
         self._now = 0
 
     def _evict_one(self) -> bool:
         heap, ts, kids = self._heap, self._ts, self._kids
-        while heap:
-            stamp, _negd, b = heapq.heappop(heap)
-            if ts.get(b) == stamp and kids[b] == 0:
-                self._drop(b)
-                self._evicted.append(b)
-                return True
-        return False
+        while True:
+            while heap:
+                stamp, _negd, b = heapq.heappop(heap)
+                if ts.get(b) == stamp and kids[b] == 0:
+                    self._drop(b)
+                    self._evicted.append(b)
+                    return True
+            if not self._pending:
+                return False
+            self._flush()  # only the in-flight request's own blocks are left
+
+    def _flush(self) -> None:
+        """Queue the in-flight request's blocks that are leaves (pushes are deferred to request end)."""
+        ts, kids, heap = self._ts, self._kids, self._heap
+        for d, b in self._pending:
+            if kids.get(b, 1) == 0:
+                heapq.heappush(heap, (ts[b], -d, b))
+        self._pending = []
 
     def _drop(self, b: int) -> None:
         del self._ts[b]
@@ -64,9 +76,9 @@ class LeafLRUPolicy(Policy):
                 parent[b] = p
                 if p != -1:
                     kids[p] += 1
-            if kids[b] == 0:
-                heapq.heappush(self._heap, (now, -i, b))
+            self._pending.append((i, b))
             prev = b
+        self._flush()
         if len(self._heap) > 4 * max(64, len(ts)):
             self._heap = [(t, 0, b) for b, t in ts.items() if kids[b] == 0]
             heapq.heapify(self._heap)

@@ -1,8 +1,14 @@
-"""LRU and FIFO block caches (the two baselines libCacheSim must agree with exactly)."""
+"""LRU and FIFO block caches (the two baselines libCacheSim must agree with exactly).
+
+Both serve a request in bulk when that is provably the same as block-by-block processing: the victims
+are then exactly the oldest resident blocks and none of them belongs to the request. Otherwise (the
+request itself would be cut by its own insertions) they fall back to the exact per-block loop.
+"""
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from itertools import islice, repeat
 
 import numpy as np
 
@@ -10,9 +16,10 @@ from kvtier.policies.base import HitMask, Policy, Request
 
 
 class LRUPolicy(Policy):
-    """Least recently used: a hit moves the block to the MRU end; a miss inserts it, evicting the LRU block."""
+    """Least recently used: a hit moves the block to the MRU end; a miss inserts it, evicting the LRU one."""
 
     name = "lru"
+    _touch_hits = True  # FIFO: hits keep their place
 
     def __init__(self, capacity_blocks: int, *, seed: int = 0) -> None:
         super().__init__(capacity_blocks, seed=seed)
@@ -22,18 +29,44 @@ class LRUPolicy(Policy):
         od = self._od
         cap = self.capacity_blocks
         ids = req.hash_ids.tolist()
-        hits = [False] * len(ids)
         if cap == 0:
             return np.zeros(len(ids), dtype=np.bool_)
+        sid = set(ids)
+        if len(sid) != len(ids):  # a block repeated within the request: its second use may hit
+            return self._access_exact(ids)
+        hits = [b in od for b in ids]
+        misses = [b for b, h in zip(ids, hits, strict=True) if not h]
+        excess = len(od) + len(misses) - cap
+        if excess > 0:
+            victims = list(islice(od, excess))
+            if len(victims) < excess or not sid.isdisjoint(victims):
+                return self._access_exact(ids)
+            deque(map(od.pop, victims), 0)
+            self._evicted.extend(victims)
+        od.update(zip(misses, repeat(None)))
+        if self._touch_hits:
+            deque(map(od.move_to_end, ids), 0)
+        return np.array(hits, dtype=np.bool_)
+
+    def _access_exact(self, ids: list[int]) -> HitMask:
+        od = self._od
+        cap = self.capacity_blocks
+        hits = [False] * len(ids)
         move = od.move_to_end
-        evicted = self._evicted
+        pop = od.popitem
+        push = self._evicted.append
+        touch = self._touch_hits
+        size = len(od)
         for i, b in enumerate(ids):
             if b in od:
-                move(b)
+                if touch:
+                    move(b)
                 hits[i] = True
             else:
-                if len(od) >= cap:
-                    evicted.append(od.popitem(last=False)[0])
+                if size >= cap:
+                    push(pop(False)[0])
+                else:
+                    size += 1
                 od[b] = None
         return np.array(hits, dtype=np.bool_)
 
@@ -51,20 +84,4 @@ class FIFOPolicy(LRUPolicy):
     """First in, first out: hits do not change the order."""
 
     name = "fifo"
-
-    def access(self, req: Request) -> HitMask:
-        od = self._od
-        cap = self.capacity_blocks
-        ids = req.hash_ids.tolist()
-        hits = [False] * len(ids)
-        if cap == 0:
-            return np.zeros(len(ids), dtype=np.bool_)
-        evicted = self._evicted
-        for i, b in enumerate(ids):
-            if b in od:
-                hits[i] = True
-            else:
-                if len(od) >= cap:
-                    evicted.append(od.popitem(last=False)[0])
-                od[b] = None
-        return np.array(hits, dtype=np.bool_)
+    _touch_hits = False

@@ -1,7 +1,8 @@
 """Name -> factory registry of placement policies, shared by the CLI, the replay harness and the controller.
 
-Built-in baselines are imported lazily by module path. ``learned`` lives in ``kvtier.policies.learned``:
-importing that module must call :func:`register` (or expose ``create_policy(capacity_blocks, *, seed)``).
+Built-in baselines are imported lazily by module path. ``learned`` lives in ``kvtier.policies.learned``
+(module or package): importing it may call :func:`register`; else its ``create_policy(capacity_blocks,
+*, seed)`` or the :class:`Policy` subclass whose ``name`` is ``"learned"`` is used.
 """
 
 from __future__ import annotations
@@ -54,8 +55,13 @@ def _resolve(name: str) -> PolicyFactory:
     if name in _FACTORIES:  # the module registered itself on import
         return _FACTORIES[name]
     factory = getattr(mod, attr or "create_policy", None)
+    if factory is None and not attr:  # a Policy subclass in the module whose ``name`` is ``name``
+        for obj in vars(mod).values():
+            if isinstance(obj, type) and issubclass(obj, Policy) and getattr(obj, "name", None) == name:
+                factory = obj
+                break
     if factory is None:
-        raise KeyError(f"policy {name!r}: {mod_name} neither registered it nor defines {attr or 'create_policy'}")
+        raise KeyError(f"policy {name!r}: {mod_name} has no registration, create_policy or Policy so named")
     _FACTORIES[name] = factory
     return factory
 

@@ -1,4 +1,4 @@
-"""S3-FIFO (Yang et al., SOSP'23, Algorithm 1): small FIFO (10 %), main FIFO with 2-bit reinsertion, ghost FIFO."""
+"""S3-FIFO (Yang et al., SOSP'23, Algorithm 1): small FIFO (10 %), 2-bit main FIFO, ghost."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ class S3FIFOPolicy(Policy):
 
     name = "s3fifo"
 
-    def __init__(self, capacity_blocks: int, *, seed: int = 0, small_ratio: float = 0.1, move_threshold: int = 2):
+    def __init__(
+        self, capacity_blocks: int, *, seed: int = 0, small_ratio: float = 0.1, move_threshold: int = 2
+    ):
         super().__init__(capacity_blocks, seed=seed)
         self.small_cap = max(1, round(small_ratio * capacity_blocks)) if capacity_blocks > 1 else 0
         self.main_cap = capacity_blocks - self.small_cap

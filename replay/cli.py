@@ -67,11 +67,15 @@ def _pct(x: float | None) -> str:
 def replay_cmd(
     trace: str = typer.Argument(..., help="Mooncake JSONL trace (.jsonl or .jsonl.gz), or 'bundled'."),
     policy: str = typer.Option("lru", "--policy", "-p", help="Policy name (see registry)."),
-    capacity: float = typer.Option(None, "--capacity", help="Tier-0 capacity as a fraction of distinct blocks."),
+    capacity: float = typer.Option(
+        None, "--capacity", help="Tier-0 capacity as a fraction of distinct blocks."
+    ),
     capacity_blocks: int = typer.Option(None, "--capacity-blocks", help="Tier-0 capacity in blocks (wins)."),
     max_requests: int = typer.Option(None, "--max-requests", help="Replay only the first N requests."),
     per_request: Path = typer.Option(None, "--per-request", help="Write one JSON line per request here."),
-    tiers: str = typer.Option(None, "--tiers", help="Tier config YAML/JSON, or a bundled name (llama3-8b, ...)."),
+    tiers: str = typer.Option(
+        None, "--tiers", help="Tier config YAML/JSON, or a bundled name (llama3-8b, ...)."
+    ),
     seed: int = typer.Option(0, "--seed"),
     block_tokens: int = typer.Option(512, "--block-tokens", help="Tokens per trace block."),
     fmt: str = typer.Option("table", "--format", help="json or table."),
@@ -150,9 +154,13 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     caps = result["capacities"]
     for p in result["policies"]:
         ys = [100 * r["prefix_hit_ratio"] for r in result["results"] if r["policy"] == p]
-        style = {"linestyle": "--", "color": "black"} if p == "belady" else {}
-        ax.plot([100 * c for c in caps], ys, marker="o", label=p + (" (bound)" if p == "belady" else ""), **style)
+        style: dict[str, Any] = {"linestyle": "--", "color": "black"} if p == "belady" else {}
+        ax.plot(
+            [100 * c for c in caps], ys, marker="o", label=p + (" (bound)" if p == "belady" else ""), **style
+        )
     ax.set_xscale("log")
+    ax.set_xticks([100 * c for c in caps if c > 0], [f"{100 * c:g}" for c in caps if c > 0])
+    ax.minorticks_off()
     ax.set_xlabel("capacity, % of distinct blocks")
     ax.set_ylabel("token-weighted prefix hit, %")
     ax.set_title(Path(result["trace"]).name)
@@ -168,7 +176,9 @@ def compare_cmd(
     policies: str = typer.Option(
         "lru,fifo,lfu,lfuda,s3fifo,arc,leaf-lru,belady", "--policies", help="Comma-separated policy names."
     ),
-    capacities: str = typer.Option("0.01,0.02,0.05,0.1,0.2,0.4", "--capacities", help="Comma-separated fractions."),
+    capacities: str = typer.Option(
+        "0.01,0.02,0.05,0.1,0.2,0.4", "--capacities", help="Comma-separated fractions."
+    ),
     max_requests: int = typer.Option(None, "--max-requests"),
     seed: int = typer.Option(0, "--seed"),
     block_tokens: int = typer.Option(512, "--block-tokens"),
@@ -214,7 +224,7 @@ def compare_cmd(
         t = Table(title=f"{wl.path.name}: {title}")
         t.add_column("policy")
         for h in head:
-            t.add_column(h, justify="right")
+            t.add_column(h, justify="right", no_wrap=True)
         for p in names:
             vals = [cells[(p, f)].get(metric) for f in fracs]
             if metric == "gap_closed":

@@ -104,17 +104,13 @@ class ReplayStats:
 
 
 def prefix_tokens(req: Request, n_lead: int) -> int:
-    """Reusable tokens of ``req`` given its first ``n_lead`` blocks hit."""
+    """Reusable tokens of ``req`` given its first ``n_lead`` blocks hit (0 for a request without blocks)."""
     n = len(req.hash_ids)
+    if n == 0:
+        return 0
     if n_lead >= n:
         return req.input_length
     return min(n_lead * req.block_tokens, req.input_length)
-
-
-def _leading_hits(hits: np.ndarray) -> int:
-    if hits.all():
-        return int(hits.size)
-    return int(np.argmin(hits))
 
 
 def replay(
@@ -132,8 +128,9 @@ def replay(
     """
     reqs: Iterable[Request] = requests
     if policy.offline:
-        reqs = requests if isinstance(requests, Sequence) else list(requests)
-        policy.prepare(reqs)  # type: ignore[arg-type]
+        seq = requests if isinstance(requests, Sequence) else list(requests)
+        policy.prepare(seq)
+        reqs = seq
     stats = ReplayStats(policy=policy.name, capacity_blocks=policy.capacity_blocks)
     tier0_name = tiers.tier_names[0] if tiers is not None else "gpu"
     t0 = time.perf_counter()
@@ -153,7 +150,7 @@ def replay(
         if hits.shape != (n,):
             raise RuntimeError(f"policy {policy.name} returned {hits.shape} hits for {n} blocks")
         nh = int(np.count_nonzero(hits))
-        lead = _leading_hits(hits) if n else 0
+        lead = n if nh == n else int(np.argmin(hits))
         pt = prefix_tokens(req, lead)
         acc += n
         hits_total += nh

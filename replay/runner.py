@@ -80,7 +80,9 @@ def run_one(
             fh.write(json.dumps(r.to_dict(), separators=(",", ":")) + "\n")
 
     if tiers is not None:
-        stack = TierStack.build(tiers, policy, wl.distinct_blocks, top_capacity_blocks=capacity_blocks, seed=seed)
+        stack = TierStack.build(
+            tiers, policy, wl.distinct_blocks, top_capacity_blocks=capacity_blocks, seed=seed
+        )
         stats = replay(wl.requests, stack.top, tiers=stack, on_request=on_req, progress=progress)
     else:
         if capacity_blocks is None:
@@ -137,7 +139,9 @@ def compare(
             }
             if "lru" in results and "belady" in results:
                 row["gap_closed"] = gap_closed(
-                    s.prefix_hit_ratio, results["lru"][f].prefix_hit_ratio, results["belady"][f].prefix_hit_ratio
+                    s.prefix_hit_ratio,
+                    results["lru"][f].prefix_hit_ratio,
+                    results["belady"][f].prefix_hit_ratio,
                 )
             rows.append(row)
     return {

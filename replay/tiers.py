@@ -9,13 +9,14 @@ block evicted from the last tier is gone. Cost model per request:
          + for each lower tier k used by the prefix: latency_k + bytes_k / read_bandwidth_k
 
 With ``prefetch: true`` lower-tier loads overlap prefill (layer-wise pipelining): TTFT = max of the two.
-Bytes moved are counted per link (``cpu->gpu`` on promotion, ``gpu->cpu`` on demotion, ...).
+Bytes moved are counted per link (``cpu->gpu`` on promotion, ``gpu->cpu`` on demotion, ...); each tier
+reports the share of the trace's span its write (demotions) and read (promotions) bandwidth is busy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +138,9 @@ def parse_tier_config(data: Mapping[str, Any], *, source: str = "<config>") -> T
     bt = int(data.get("block_tokens", 512))
     if bt <= 0:
         raise ValueError(f"{source}: block_tokens must be > 0")
-    return TierConfig(model=model, tiers=tuple(tiers), block_tokens=bt, prefetch=bool(data.get("prefetch", False)))
+    return TierConfig(
+        model=model, tiers=tuple(tiers), block_tokens=bt, prefetch=bool(data.get("prefetch", False))
+    )
 
 
 def load_tier_config(path: str | Path) -> TierConfig:
@@ -170,14 +173,7 @@ def _supports_remove(p: Policy) -> bool:
 class _TierState:
     spec: TierSpec
     policy: Policy
-    hits: int = 0
-    prefix_hit_blocks: int = 0
-    prefix_hit_tokens: int = 0
-    bytes_in: int = 0  # written into this tier (demotions; tier 0: promotions + fresh prefill)
-    bytes_out_up: int = 0  # read from this tier into tier 0 (promotions)
     evictions: int = 0
-    loads_ms: float = 0.0
-    links: dict[str, int] = field(default_factory=dict)
 
 
 class TierStack:
@@ -197,7 +193,16 @@ class TierStack:
                 raise ValueError(f"tier {spec.name}: policy {pname} cannot be a lower tier (no remove())")
             states.append(_TierState(spec, pol))
         self._t = states
-        self.links: dict[str, int] = {}
+        k = len(states)
+        self._up = np.zeros(k, dtype=np.int64)  # blocks promoted from tier k to tier 0
+        self._down = np.zeros(k, dtype=np.int64)  # blocks demoted from tier k-1 into tier k
+        self._hits = np.zeros(k, dtype=np.int64)
+        self._pref_blocks = np.zeros(k, dtype=np.int64)
+        self._pref_tokens = np.zeros(k, dtype=np.int64)
+        self._load_ms = np.zeros(k, dtype=np.float64)
+        self._where: dict[int, int] = {}  # block -> index of the lower tier holding it
+        self._first_ms: float | None = None
+        self._last_ms = 0.0
         self.dropped = 0
         self._ttft: list[float] = []
         self._ttft_nocache: list[float] = []
@@ -221,103 +226,150 @@ class TierStack:
     def top(self) -> Policy:
         return self._t[0].policy
 
-    def _link(self, src: str, dst: str, nbytes: int) -> None:
-        k = f"{src}->{dst}"
-        self.links[k] = self.links.get(k, 0) + nbytes
+    @property
+    def links(self) -> dict[str, int]:
+        """Bytes moved per link: promotions ``tier->top`` and demotions ``upper->lower``."""
+        st, bb = self._t, self.block_bytes
+        out: dict[str, int] = {}
+        for k in range(1, len(st)):
+            if self._up[k]:
+                out[f"{st[k].spec.name}->{st[0].spec.name}"] = int(self._up[k]) * bb
+            if self._down[k]:
+                out[f"{st[k - 1].spec.name}->{st[k].spec.name}"] = int(self._down[k]) * bb
+        return out
 
     def access(self, req: Request) -> tuple[HitMask, npt.NDArray[np.int8], float]:
         """Serve ``req``: returns (hit anywhere per block, tier index per block or -1, TTFT ms)."""
         st = self._t
-        ids = req.hash_ids
-        n = len(ids)
-        bb = self.block_bytes
+        n = len(req.hash_ids)
         top = st[0].policy
         hit0 = top.access(req)
         tier_of = np.full(n, -1, dtype=np.int8)
         tier_of[hit0] = 0
-        st[0].hits += int(np.count_nonzero(hit0))
-        if len(st) > 1:
-            for i in np.flatnonzero(~hit0).tolist():
-                b = int(ids[i])
-                for k in range(1, len(st)):
-                    pk = st[k].policy
-                    if pk.contains(b):
-                        tier_of[i] = k
-                        st[k].hits += 1
-                        if top.contains(b):  # promoted (exclusive); else read through
-                            pk.remove(b)
-                        st[k].bytes_out_up += bb
-                        st[0].bytes_in += bb
-                        self._link(st[k].spec.name, st[0].spec.name, bb)
-                        break
+        ev = top.drain_evicted()
+        nt = len(st)
+        if nt > 1:
+            up = self._up
+            where = self._where
+            missed = np.flatnonzero(~hit0)
+            if missed.size:
+                ids = req.hash_ids[missed].tolist()
+                lower = [s.policy for s in st]
+                ev_set = set(ev)
+                top_has = top.contains
+                found_i: list[int] = []
+                found_k: list[int] = []
+                for i, b in zip(missed.tolist(), ids, strict=True):
+                    if b in ev_set and top_has(b):
+                        # evicted by this very request before its turn came, then re-admitted: block by
+                        # block it would have been demoted to tier 1 and promoted straight back
+                        ev_set.discard(b)
+                        found_i.append(i)
+                        found_k.append(1)
+                        continue
+                    k = where.get(b)
+                    if k is None:
+                        continue
+                    pk = lower[k]
+                    if not pk.contains(b):  # the lower policy declined it
+                        del where[b]
+                        continue
+                    found_i.append(i)
+                    found_k.append(k)
+                    if top_has(b):  # promoted (exclusive); else read through
+                        pk.remove(b)
+                        del where[b]
+                if found_i:
+                    tier_of[found_i] = found_k
+                    up += np.bincount(found_k, minlength=nt)
+                if len(ev_set) != len(ev):
+                    ev = [b for b in ev if b in ev_set]
             # demotion cascade
-            ev = top.drain_evicted()
-            for k in range(1, len(st)):
+            for k in range(1, nt):
                 st[k - 1].evictions += len(ev)
                 if not ev:
                     break
-                self._link(st[k - 1].spec.name, st[k].spec.name, len(ev) * bb)
-                st[k].bytes_in += len(ev) * bb
+                self._down[k] += len(ev)
+                for b in ev:
+                    where[b] = k
                 dem = Request(req.timestamp_ms, 0, 0, np.asarray(ev, dtype=np.int64), req.block_tokens)
                 st[k].policy.access(dem)
                 ev = st[k].policy.drain_evicted()
             else:
                 st[-1].evictions += len(ev)
                 self.dropped += len(ev)
+                for b in ev:
+                    where.pop(b, None)
         else:
-            ev = top.drain_evicted()
             st[0].evictions += len(ev)
             self.dropped += len(ev)
         hit = tier_of >= 0
-        # cost model over the reusable prefix
-        lead = n if hit.all() else int(np.argmin(hit))
-        remaining = req.input_length
-        loads: dict[int, int] = {}
-        for i in range(lead):
-            k = int(tier_of[i])
-            tok = min(req.block_tokens, remaining) if i < n - 1 or lead < n else remaining
-            remaining -= tok
-            st[k].prefix_hit_blocks += 1
-            st[k].prefix_hit_tokens += tok
-            if k > 0:
-                loads[k] = loads.get(k, 0) + 1
-        pref_tok = req.input_length - remaining if lead == n else min(lead * req.block_tokens, req.input_length)
+        counts = np.bincount(tier_of[hit], minlength=nt)
+        self._hits += counts
+        # cost model over the reusable prefix (leading run of hits)
+        lead = n if counts.sum() == n else int(np.argmin(hit))
+        bt = req.block_tokens
+        pref = np.bincount(tier_of[:lead], minlength=nt) if lead else np.zeros(nt, dtype=np.int64)
+        self._pref_blocks += pref
+        tok = pref * bt
+        if lead == n and n:  # the last block holds the remainder of input_length
+            tok[tier_of[n - 1]] += req.input_length - n * bt
+            pref_tok = req.input_length
+        else:
+            pref_tok = min(lead * bt, req.input_length)
+        self._pref_tokens += tok
         tps = self.config.model.prefill_tokens_per_s
         compute_ms = (req.input_length - pref_tok) / tps * 1e3
         load_ms = 0.0
-        for k, nb in loads.items():
-            spec = st[k].spec
-            t_ms = spec.latency_us / 1e3 + nb * bb / (spec.read_gbps * 1e9) * 1e3
-            st[k].loads_ms += t_ms
-            load_ms += t_ms
+        if lead and pref[1:].any():
+            bb = self.block_bytes
+            for k in np.flatnonzero(pref[1:]).tolist():
+                spec = st[k + 1].spec
+                t_ms = spec.latency_us / 1e3 + int(pref[k + 1]) * bb / (spec.read_gbps * 1e9) * 1e3
+                self._load_ms[k + 1] += t_ms
+                load_ms += t_ms
         ttft = max(compute_ms, load_ms) if self.config.prefetch else compute_ms + load_ms
         self._ttft.append(ttft)
+        if self._first_ms is None:
+            self._first_ms = req.timestamp_ms
+        self._last_ms = req.timestamp_ms
         self._ttft_nocache.append(req.input_length / tps * 1e3)
         return hit, tier_of, ttft
 
     def summary(self) -> list[dict[str, Any]]:
-        """Per-tier figures (blocks, bytes)."""
-        total = sum(max(1, 0) for _ in ())  # placeholder to keep mypy quiet about unused
-        del total
+        """Per-tier figures (blocks, tokens, bytes)."""
         out = []
-        for s in self._t:
+        bb = self.block_bytes
+        for k, s in enumerate(self._t):
+            # blocks written into this tier by other tiers (tier 0: promotions; fresh prefill not counted)
+            written = int(self._up[1:].sum()) if k == 0 else int(self._down[k])
             out.append(
                 {
                     "tier": s.spec.name,
                     "policy": s.policy.name,
                     "capacity_blocks": s.policy.capacity_blocks,
-                    "capacity_bytes": s.policy.capacity_blocks * self.block_bytes,
+                    "capacity_bytes": s.policy.capacity_blocks * bb,
                     "resident_blocks": len(s.policy),
-                    "hit_blocks": s.hits,
-                    "prefix_hit_blocks": s.prefix_hit_blocks,
-                    "prefix_hit_tokens": s.prefix_hit_tokens,
-                    "bytes_written": s.bytes_in,
-                    "bytes_read_to_top": s.bytes_out_up,
+                    "hit_blocks": int(self._hits[k]),
+                    "prefix_hit_blocks": int(self._pref_blocks[k]),
+                    "prefix_hit_tokens": int(self._pref_tokens[k]),
+                    "bytes_written": written * bb,
+                    "bytes_read_to_top": int(self._up[k]) * bb if k else 0,
                     "evictions": s.evictions,
-                    "load_time_ms": round(s.loads_ms, 3),
+                    "load_time_ms": round(float(self._load_ms[k]), 3),
+                    # share of the trace's span this tier's link spends writing demotions / reading
+                    # promotions at its configured bandwidth (> 1: the tier cannot keep up)
+                    "write_utilization": self._util(written * bb, s.spec.write_gbps),
+                    "read_utilization": self._util(int(self._up[k]) * bb if k else 0, s.spec.read_gbps),
                 }
             )
         return out
+
+    def _util(self, nbytes: int, gbps: float) -> float | None:
+        span_s = (self._last_ms - (self._first_ms or 0.0)) / 1e3
+        if gbps <= 0 or span_s <= 0:
+            return None
+        return round(nbytes / (gbps * 1e9) / span_s, 6)
 
     def ttft_summary(self) -> dict[str, Any]:
         """TTFT estimate statistics (ms) and bytes moved per link."""

@@ -1,4 +1,4 @@
-"""Mooncake trace reader: JSONL (optionally gzipped) of ``{timestamp, input_length, output_length, hash_ids}``.
+"""Mooncake trace reader: JSONL (maybe gzipped) of ``{timestamp, input_length, output_length, hash_ids}``.
 
 Streams line by line, so files of any size work; a malformed line raises :class:`TraceError` naming the
 file, the 1-based line number and what is wrong. Block ids may be any 64-bit integers: ids >= 2**63
@@ -8,11 +8,10 @@ file, the 1-based line number and what is wrong. Block ids may be any 64-bit int
 from __future__ import annotations
 
 import gzip
-import io
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
 import msgspec
 import numpy as np
@@ -53,7 +52,7 @@ def _open(path: Path) -> IO[bytes]:
     with open(path, "rb") as probe:
         magic = probe.read(2)
     if magic == b"\x1f\x8b":
-        return gzip.open(path, "rb")
+        return cast(IO[bytes], gzip.open(path, "rb"))
     return open(path, "rb")
 
 
@@ -112,8 +111,7 @@ def iter_trace(
     name = str(p)
     n = 0
     with _open(p) as fh:
-        stream = io.BufferedReader(fh) if not isinstance(fh, io.BufferedReader) else fh  # type: ignore[arg-type]
-        for lineno, raw in enumerate(stream, start=1):
+        for lineno, raw in enumerate(fh, start=1):
             if max_requests is not None and n >= max_requests:
                 return
             if not raw.strip():
