@@ -22,7 +22,9 @@ from kvtier.collectors.vllm_events import decode_frames
 from kvtier.policies.index import BlockIndex
 
 
-def make_frames(n_batches: int, chain: int, block_size: int = 32, seed: int = 0) -> tuple[list[list[bytes]], int]:
+def make_frames(
+    n_batches: int, chain: int, block_size: int = 32, seed: int = 0
+) -> tuple[list[list[bytes]], int]:
     rng = random.Random(seed)
     enc = msgspec.msgpack.Encoder()
     live: list[int] = []

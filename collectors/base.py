@@ -1,11 +1,14 @@
-"""The one ``Collector`` interface: every signal source (vLLM /metrics, KV events, LMCache, Mooncake, storage).
+"""The one ``Collector`` interface: every signal source
+(vLLM /metrics, KV events, LMCache, Mooncake, storage).
 
 A collector splits I/O from decoding:
 
 * :meth:`Collector.fetch` does the I/O (HTTP via a constructor-injected ``httpx.AsyncClient``, a file read, a
   socket drain) and returns the raw payload;
-* :meth:`Collector.parse` is pure: raw payload (+ the injected clock's time) -> one typed :class:`Observation`;
-* :meth:`Collector.poll` runs both, never raises, keeps :class:`HealthState` (for ``/readyz``), counts failures in
+* :meth:`Collector.parse` is pure: raw payload (+ the injected clock's time) ->
+  one typed :class:`Observation`;
+* :meth:`Collector.poll` runs both, never raises, keeps :class:`HealthState` (for ``/readyz``), counts
+  failures in
   ``kvtier_collector_errors_total{collector}`` and remembers the latest observation (for ``/v1/status``).
 
 Collectors get their clock and prometheus ``CollectorRegistry`` from the constructor (never the global
@@ -73,7 +76,9 @@ class CollectorMetrics:
             "kvtier_collector_polls", "Collector poll attempts.", ["collector"], registry=registry
         )
         self.up = Gauge(
-            "kvtier_collector_up", "1 if the collector's last poll succeeded, else 0.", ["collector"],
+            "kvtier_collector_up",
+            "1 if the collector's last poll succeeded, else 0.",
+            ["collector"],
             registry=registry,
         )
         self.last_success = Gauge(

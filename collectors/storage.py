@@ -1,4 +1,5 @@
-"""Storage telemetry: block devices (/proc/diskstats), tier path capacity, NVMe / NVMe-oF (sysfs), GDS counters.
+"""Storage telemetry: block devices (/proc/diskstats), tier path capacity, NVMe / NVMe-oF (sysfs), GDS
+counters.
 
 All paths are read under an injected ``root`` (default ``/``) so tests can point it at canned trees
 (``tests/data/storage/...``). Parsing is pure (:func:`parse_diskstats`, :func:`parse_gds_stats`); rates come
@@ -162,8 +163,13 @@ def read_nvme(root: Path) -> tuple[NvmeController, ...]:
             if c.is_dir() else ()  # fmt: skip
         out.append(
             NvmeController(
-                name=c.name, transport=_read(c / "transport"), state=_read(c / "state"), model=_read(c / "model"),
-                address=_read(c / "address"), subsystem_nqn=_read(c / "subsysnqn"), paths=paths,
+                name=c.name,
+                transport=_read(c / "transport"),
+                state=_read(c / "state"),
+                model=_read(c / "model"),
+                address=_read(c / "address"),
+                subsystem_nqn=_read(c / "subsysnqn"),
+                paths=paths,
             )  # fmt: skip
         )
     return tuple(out)
@@ -192,7 +198,9 @@ class StorageCollector(Collector[dict[str, object], StorageObservation]):
         self._prev_t: float | None = None
         self._last_bytes: dict[tuple[str, str], int] = {}
         lbl = ["device"]
-        self.m_read = Counter("kvtier_storage_device_read_bytes", "Bytes read from the device.", lbl, registry=registry)
+        self.m_read = Counter(
+            "kvtier_storage_device_read_bytes", "Bytes read from the device.", lbl, registry=registry
+        )
         self.m_write = Counter(
             "kvtier_storage_device_write_bytes", "Bytes written to the device.", lbl, registry=registry
         )
@@ -209,7 +217,7 @@ class StorageCollector(Collector[dict[str, object], StorageObservation]):
                 "queue_depth": "Average requests in queue over the last window.",
             }.items()
         }
-        self.g_path = Gauge("kvtier_storage_path_bytes", "Capacity of a tier path, bytes.", ["tier", "path", "kind"],
+        self.g_path = Gauge("kvtier_storage_path_bytes", "Capacity of a tier path, bytes.", ["tier", "path", "kind"],  # noqa: E501
                             registry=registry)  # fmt: skip
         self.g_nvme = Gauge("kvtier_storage_nvme_controller_live", "1 if the NVMe controller state is live.",
                             ["controller", "transport"], registry=registry)  # fmt: skip
@@ -267,7 +275,7 @@ class StorageCollector(Collector[dict[str, object], StorageObservation]):
                     m.labels(device=d.device)
                 self._last_bytes[key] = total
             for k, v in (
-                ("read_bytes_per_second", d.read_bytes_per_s), ("write_bytes_per_second", d.write_bytes_per_s),
+                ("read_bytes_per_second", d.read_bytes_per_s), ("write_bytes_per_second", d.write_bytes_per_s),  # noqa: E501
                 ("read_iops", d.read_iops), ("write_iops", d.write_iops),
                 ("read_latency_milliseconds", d.avg_read_latency_ms),
                 ("write_latency_milliseconds", d.avg_write_latency_ms),

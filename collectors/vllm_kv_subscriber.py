@@ -139,6 +139,8 @@ class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
         self.replay_timeout_s = replay_timeout_s
         self._states: dict[int, _SourceState] = {}
         self._engine_start: float | None = None
+        self._lost_total = 0  # survive socket reconfiguration
+        self._replayed_total = 0
         self._wake = asyncio.Event()
         self.ingestor.counts[self.engine]  # export zero counters from the start
 
@@ -177,12 +179,12 @@ class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
 
     @property
     def lost(self) -> int:
-        """Batches lost (not received and not replayed), all DP ranks."""
-        return sum(st.lost for st in self._states.values())
+        """Batches lost (not received and not replayed), all DP ranks, since start."""
+        return self._lost_total
 
     @property
     def replayed(self) -> int:
-        return sum(st.replayed for st in self._states.values())
+        return self._replayed_total
 
     @property
     def batches(self) -> int:
@@ -248,16 +250,17 @@ class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
                 await self._wake.wait()
                 continue
             poller = zmq.asyncio.Poller()
-            socks = {}
+            socks: dict[Any, _SourceState] = {}
             for st in self._states.values():
                 poller.register(st.sub, zmq.POLLIN)
                 socks[st.sub] = st
             self._wake.clear()
             ready = await poller.poll(timeout=200)
             for sock, _ in ready:
-                st = socks.get(sock)  # type: ignore[call-overload]
-                if st is None or st.sub.closed:
+                got = socks.get(sock)
+                if got is None or got.sub.closed:
                     continue
+                st = got
                 while True:
                     try:
                         frames = await st.sub.recv_multipart(flags=zmq.NOBLOCK)
@@ -317,8 +320,10 @@ class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
 
     def _lose(self, st: _SourceState, n: int) -> None:
         st.lost += n
-        log.warning("%s dp%d: %d KV-event batches lost before seq %s", self.engine, st.src.dp_rank, n,
-                    st.expected)
+        self._lost_total += n
+        log.warning(
+            "%s dp%d: %d KV-event batches lost before seq %s", self.engine, st.src.dp_rank, n, st.expected
+        )
 
     async def _replay(self, st: _SourceState, end: int) -> None:
         """Ask the ROUTER for batches from ``st.expected``; apply those < ``end`` in order."""
@@ -350,5 +355,6 @@ class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
                     self._lose(st, b.seq - st.expected)
                 self._apply(st, b)
                 st.replayed += 1
+                self._replayed_total += 1
         finally:
             sock.close(linger=0)

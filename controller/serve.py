@@ -12,7 +12,9 @@ def serve(
     lmcache_url: list[str] = typer.Option(None, "--lmcache-url", help="LMCache MP server URL (repeatable)."),
     mooncake_url: list[str] = typer.Option(None, "--mooncake-url", help="Mooncake master URL (repeatable)."),
     listen: str = typer.Option(None, "--listen", help="HOST:PORT to serve on [127.0.0.1:8787]."),
-    config: Path = typer.Option(None, "--config", help="Config file (JSON or TOML); KVTIER_* env overrides it."),
+    config: Path = typer.Option(
+        None, "--config", help="Config file (JSON or TOML); KVTIER_* env overrides it."
+    ),
     mode: str = typer.Option(None, "--mode", help="off | shadow | active [persisted policy; shadow]."),
     actuator: list[str] = typer.Option(None, "--actuator", help="shadow|vllm-warmup|lmcache-mp (repeat)."),
     state_dir: Path = typer.Option(None, "--state-dir", help="Policy/pins/model kept here [.kvtier-state]."),

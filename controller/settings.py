@@ -33,11 +33,11 @@ class Settings(BaseSettings):
     lmcache_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)  # LMCache MP servers
     mooncake_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)  # Mooncake masters
     listen: str = "127.0.0.1:8787"
-    scrape_interval_s: float = Field(2.0, gt=0)  # /metrics of peers
-    discovery_interval_s: float = Field(5.0, gt=0)  # GET /kv_event_sources
-    storage_interval_s: float = Field(5.0, gt=0)
-    http_timeout_s: float = Field(5.0, gt=0)
-    replay_timeout_s: float = Field(2.0, gt=0)
+    scrape_interval_s: float = Field(default=2.0, gt=0)  # /metrics of peers
+    discovery_interval_s: float = Field(default=5.0, gt=0)  # GET /kv_event_sources
+    storage_interval_s: float = Field(default=5.0, gt=0)
+    http_timeout_s: float = Field(default=5.0, gt=0)
+    replay_timeout_s: float = Field(default=2.0, gt=0)
     storage_enabled: bool = True
     storage_root: str = "/"  # prefix for /proc and /sys (tests use canned trees)
     storage_devices: Annotated[list[str] | None, NoDecode] = None  # None: all but loop/ram

@@ -49,10 +49,10 @@ class KvMetricsExporter(PromCollector):
         ing = self.sc.ingestor
         ev = CounterMetricFamily("kvtier_kv_events", "KV-cache events received, by engine and type.",
                                  labels=["engine", "type"])  # fmt: skip
-        blk = CounterMetricFamily("kvtier_kv_block_events", "Block hashes in KV events, by engine and operation.",
+        blk = CounterMetricFamily("kvtier_kv_block_events", "Block hashes in KV events, by engine and operation.",  # noqa: E501
                                   labels=["engine", "op"])  # fmt: skip
         lost = CounterMetricFamily("kvtier_kv_events_lost",
-                                   "KV-event batches lost (sequence gaps not recovered by replay), by engine.",
+                                   "KV-event batches lost (sequence gaps not recovered by replay), by engine.",  # noqa: E501
                                    labels=["engine"])  # fmt: skip
         rep = CounterMetricFamily("kvtier_kv_events_replayed", "KV-event batches recovered by replay.",
                                   labels=["engine"])  # fmt: skip
@@ -105,17 +105,24 @@ class Sidecar:
                 VllmMetricsCollector(f"vllm_metrics:{eng}", url, timeout_s=settings.http_timeout_s, **kw)
             )
             self.subscribers.append(
-                KvEventSubscriber(f"vllm_kv_events:{eng}", url, ingestor=self.ingestor, context=self.zctx,
-                                  engine=eng, replay_timeout_s=settings.replay_timeout_s,
-                                  timeout_s=settings.http_timeout_s, **kw)  # fmt: skip
+                KvEventSubscriber(
+                    f"vllm_kv_events:{eng}",
+                    url,
+                    ingestor=self.ingestor,
+                    context=self.zctx,
+                    engine=eng,
+                    replay_timeout_s=settings.replay_timeout_s,
+                    timeout_s=settings.http_timeout_s,
+                    **kw,
+                )  # fmt: skip
             )
         for url in settings.lmcache_urls:
-            self.cache_collectors.append(self._cache_collector("lmcache_mp", "LmcacheMpCollector", url, kw))
+            self.cache_collectors.append(self._cache_collector("lmcache_mp", "LMCacheMPCollector", url, kw))
         for url in settings.mooncake_urls:
             self.cache_collectors.append(self._cache_collector("mooncake", "MooncakeCollector", url, kw))
         if settings.storage_enabled:
             self.storage = StorageCollector(registry=self.registry, clock=clock, root=settings.storage_root,
-                                            tier_paths=settings.tier_paths, devices=settings.storage_devices)  # fmt: skip
+                                            tier_paths=settings.tier_paths, devices=settings.storage_devices)  # fmt: skip  # noqa: E501
         self.registry.register(KvMetricsExporter(self))
 
     def _cache_collector(self, module: str, cls: str, url: str, kw: dict[str, Any]) -> Collector[Any, Any]:
@@ -196,7 +203,11 @@ class Sidecar:
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """(ready, detail): ready when every configured collector's last poll succeeded."""
         down = {c.name: c.health.last_error or "not polled yet" for c in self.collectors if not c.health.up}
-        return not down, {"ready": not down, "down": down, "collectors": {c.name: c.health.up for c in self.collectors}}
+        return not down, {
+            "ready": not down,
+            "down": down,
+            "collectors": {c.name: c.health.up for c in self.collectors},
+        }
 
     def status(self) -> dict[str, Any]:
         ing = self.ingestor
@@ -221,9 +232,14 @@ class Sidecar:
                     "missing_families": list(latest.missing_families) if latest is not None else [],
                     "kv_events": sub.status(),
                     "blocks_held": {t.value: ing.held(sub.engine, t) for t in _tiers()},
-                    "blocks": None if c is None else {
-                        "stored": c.blocks_stored, "removed": c.blocks_removed, "reannounced": c.blocks_reannounced,
-                        "removed_unknown": c.removed_unknown, "cleared": c.blocks_cleared,
+                    "blocks": None
+                    if c is None
+                    else {
+                        "stored": c.blocks_stored,
+                        "removed": c.blocks_removed,
+                        "reannounced": c.blocks_reannounced,
+                        "removed_unknown": c.removed_unknown,
+                        "cleared": c.blocks_cleared,
                         "accesses_inferred": c.accesses_inferred,
                     },  # fmt: skip
                 }

