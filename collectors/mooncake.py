@@ -65,7 +65,7 @@ class MooncakeSample(Observation):
 
 
 def _samples(p: ParsedText, name: str) -> list[Any]:
-    """Samples of ``name``; prometheus_client renames counter samples without ``_total`` to ``<name>_total``."""
+    """Samples of ``name``; prometheus_client renames counter samples w/o ``_total`` to ``name_total``."""
     return p.get(name) or p.get(name + "_total")
 
 

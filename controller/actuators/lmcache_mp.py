@@ -147,13 +147,13 @@ class LMCacheMPActuator(Actuator):
 
     # ---- calls -----------------------------------------------------------------------------------
     def _call(self, res: ActuationResult, method: str, path: str, body: Any = None) -> HttpReply:
-        reply, attempts = self.caller.request(method, path, body)
-        res.attempts += attempts
+        reply, _ = self.caller.request(method, path, body)
         return reply
 
     def _guarded(self, action: str, blocks: Sequence[BlockRef],
                  body: Callable[[ActuationResult, list[ObjectKey]], None]) -> ActuationResult:
         t0 = self._clock()
+        a0 = self.caller.resilient.attempts_total
         res = ActuationResult(self.name, action)
         keys: list[ObjectKey] = []
         try:
@@ -163,6 +163,7 @@ class LMCacheMPActuator(Actuator):
             self._fail_rest(res, keys, f"circuit open: {e}")
         except TransientError as e:
             self._fail_rest(res, keys, f"unreachable: {e}")
+        res.attempts = self.caller.resilient.attempts_total - a0
         res.elapsed_s = self._clock() - t0
         return res
 

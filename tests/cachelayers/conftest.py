@@ -11,7 +11,9 @@ from tests.peers.lmcache import LMCacheMPServer, VllmWithLMCache
 
 
 @pytest.fixture(scope="module")
-def mp_with_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LMCacheMPServer, VllmWithLMCache]]:
+def mp_with_vllm(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[LMCacheMPServer, VllmWithLMCache]]:
     work: Path = tmp_path_factory.mktemp("lmcache_vllm")
     server = LMCacheMPServer(work)
     vllm = VllmWithLMCache(server)

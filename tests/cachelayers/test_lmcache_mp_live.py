@@ -20,8 +20,8 @@ from prometheus_client import CollectorRegistry
 
 from kvtier.collectors.lmcache_mp import LMCacheMPCollector
 from kvtier.controller.actuators.base import BlockRef, Outcome
-from kvtier.controller.actuators.lmcache_mp import LMCacheMPActuator
 from kvtier.controller.actuators.lmcache_keys import object_keys
+from kvtier.controller.actuators.lmcache_mp import LMCacheMPActuator
 from kvtier.controller.actuators.resilience import HttpCaller
 from kvtier.policies.tiers import Tier
 from tests.cachelayers.promlines import scrape_sum
@@ -57,7 +57,7 @@ class Rig:
         return list(r.json()["tokens"])
 
     def flush_vllm(self) -> None:
-        """Push the prompt out of vLLM's own 48-block GPU(CPU) prefix pool with 6 distinct ~650-token prompts."""
+        """Push the prompt out of vLLM's own 48-block prefix pool (6 distinct ~650-token prompts)."""
         for _ in range(6):
             self.filler += 1
             self.complete(text(self.filler, 150))

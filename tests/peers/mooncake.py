@@ -3,52 +3,31 @@ namespace (``unshare -n``; the master's metadata server and the clients' transfe
 
 Processes inside the namespace are unreachable from outside, so the test driver runs inside it too:
 :func:`run_in_netns` executes ``tests/peers/scripts/<script>`` under ``KVTIER_MOONCAKE_PYTHON`` inside a
-fresh namespace and returns the JSON the script prints on its ``RESULT`` line. Inside, :class:`MooncakeCluster`
+fresh namespace and returns the JSON the script prints on its ``RESULT`` line. Inside,
+:class:`MooncakeCluster`
 starts the master and the second ("hold") client. Recipe: reference/feasibility_cachelayers.md §3.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import subprocess
 import sys
-import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .procs import PEER_ENV, free_port, require_env, start, stop, wait_for
+from . import netns
+from .procs import free_port, require_env, start, stop, wait_for
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
 
 
 def run_in_netns(script: str, workdir: Path, *args: str, timeout_s: float = 300.0) -> dict[str, Any]:
-    """Run ``tests/peers/scripts/<script>`` in a private network namespace (needs root or userns)."""
-    py = require_env("KVTIER_MOONCAKE_PYTHON")
-    libdir = require_env("KVTIER_MOONCAKE_LIBDIR")
-    workdir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env.update(PEER_ENV)
-    # kvtier from this checkout + its deps (httpx, prometheus_client) from the test venv, after Mooncake's own
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), sysconfig.get_paths()["purelib"]])
-    env.update({"LD_LIBRARY_PATH": libdir, "MC_TCP_BIND_ADDRESS": "127.0.0.1", "PYTHONUNBUFFERED": "1"})
-    cmd = ["unshare", "-n", "--", "bash", "-c", 'ip link set lo up && exec "$@"', "bash",
-           py, str(HERE / "scripts" / script), "--workdir", str(workdir), *args]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        raise TimeoutError(f"{script} timed out after {timeout_s} s\n{err.decode()[-4000:]}") from None
-    lines = [ln for ln in out.decode().splitlines() if ln.startswith("RESULT ")]
-    if p.returncode != 0 or not lines:
-        raise RuntimeError(f"{script} failed (rc {p.returncode})\nstdout:\n{out.decode()[-3000:]}\n"
-                           f"stderr:\n{err.decode()[-4000:]}")
-    return dict(json.loads(lines[-1][len("RESULT "):]))
+    """Run ``tests/peers/scripts/<script>`` under KVTIER_MOONCAKE_PYTHON in a private network namespace."""
+    return netns.run_in_netns(require_env("KVTIER_MOONCAKE_PYTHON"), script, workdir, *args,
+                              timeout_s=timeout_s,
+                              env={"LD_LIBRARY_PATH": require_env("KVTIER_MOONCAKE_LIBDIR"),
+                                   "MC_TCP_BIND_ADDRESS": "127.0.0.1"})
 
 
 @dataclass

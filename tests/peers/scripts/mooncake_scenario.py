@@ -72,8 +72,8 @@ def main() -> None:
         v4 = store.get("k4")
         p0 = sample().soft_pin_key_count
         out["pin_k4"] = res(act.pin(k("k4"), Tier.CPU, ttl_s=60))
-        out["soft_pins"] = [p0, wait_for(lambda: sample().soft_pin_key_count > p0 and sample().soft_pin_key_count,
-                                         15, "soft pin visible in master_soft_pin_key_count")]
+        out["soft_pins"] = [p0, wait_for(lambda: (v := sample().soft_pin_key_count) > p0 and v, 15,
+                                         "soft pin visible in master_soft_pin_key_count")]
         out["seg_k4_after_pin"] = act.segments("k4")
         out["k4_bytes_kept"] = store.get("k4") == v4
         out["unpin_k4"] = res(act.unpin(k("k4"), Tier.CPU))
