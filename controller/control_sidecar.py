@@ -63,6 +63,7 @@ class ControlledSidecar(Sidecar):
                 extra["budget"] = WarmupBudget(settings.warmup_tokens_per_s, settings.warmup_requests_per_s)
             acts.append(make_actuator(name, engine_url=engine_url, engine_model=model,
                                       lmcache_url=settings.lmcache_urls[0] if settings.lmcache_urls else None,
+                    options=settings.actuator_options.get(name),
                                       **extra))  # fmt: skip
         self.tracer_provider = make_tracer_provider()
         self.plane = build_control_plane(

@@ -20,6 +20,9 @@ import numpy.typing as npt
 
 from kvtier.controller.predict import Probs
 from kvtier.policies.index import BlockIndex
+from kvtier.policies.predictor import auc as roc_auc
+from kvtier.policies.predictor import brier as brier_score
+from kvtier.policies.predictor import reliability
 
 if TYPE_CHECKING:
     from kvtier.controller.loop import ReconcileLoop
@@ -76,20 +79,6 @@ class _Snapshot:
     hashes: npt.NDArray[np.int64]
     freq: npt.NDArray[np.uint32]
     x: npt.NDArray[np.float32]
-
-
-def _auc(y: npt.NDArray[np.bool_], s: npt.NDArray[np.float64]) -> float | None:
-    pos, neg = int(y.sum()), int((~y).sum())
-    if pos == 0 or neg == 0:
-        return None
-    order = np.argsort(s, kind="stable")
-    ranks = np.empty(s.shape[0], np.float64)
-    ranks[order] = np.arange(1, s.shape[0] + 1)
-    # average ranks of ties
-    _, inv, counts = np.unique(s, return_inverse=True, return_counts=True)
-    sums = np.bincount(inv, weights=ranks)
-    ranks = (sums / counts)[inv]
-    return float((ranks[y].sum() - pos * (pos + 1) / 2) / (pos * neg))
 
 
 class ModelManager:
@@ -157,22 +146,9 @@ class ModelManager:
             clf = LogisticRegression(max_iter=200, random_state=self.loop.policy.predictor.seed)
             clf.fit(x[tr], y[tr])
             pte = clf.predict_proba(x[te])[:, 1] if te.size else np.zeros(0)
-            auc = _auc(y[te], pte) if te.size else None
-            brier = float(np.mean((pte - y[te]) ** 2)) if te.size else None
-            bins = np.linspace(0, 1, 11)
-            rel = []
-            for lo, hi in zip(bins[:-1], bins[1:], strict=True):
-                m = (pte >= lo) & ((pte < hi) | (hi == 1.0))
-                if m.any():
-                    rel.append(
-                        {
-                            "p_lo": float(lo),
-                            "p_hi": float(hi),
-                            "n": int(m.sum()),
-                            "predicted": float(pte[m].mean()),
-                            "observed": float(y[te][m].mean()),
-                        }
-                    )
+            auc = roc_auc(y[te], pte) if te.size else None
+            brier = brier_score(y[te], pte) if te.size else None
+            rel = reliability(y[te], pte) if te.size else []
             info = {
                 "kind": "logistic-index",
                 "features": list(FEATURES),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,13 +32,23 @@ from kvtier.controller.store import StateStore
 from kvtier.controller.tokens import TokenStore
 from kvtier.policies.index import BlockIndex
 
+log = logging.getLogger(__name__)
+
 ACTUATOR_NAMES = ("shadow", "vllm-warmup", "lmcache-mp", "mooncake", "lmcache-controller")
 
 
 def make_actuator(
-    name: str, *, engine_url: str | None, engine_model: str, lmcache_url: str | None = None, **kw: Any
+    name: str,
+    *,
+    engine_url: str | None,
+    engine_model: str,
+    lmcache_url: str | None = None,
+    options: dict[str, Any] | None = None,
+    **kw: Any,
 ) -> Actuator:
-    """Build a named actuator (``--actuator NAME``); cache-layer adapters are imported lazily."""
+    """Build a named actuator (``--actuator NAME``). ``shadow`` and ``vllm-warmup`` are built here; the
+    cache-layer adapters come from :mod:`kvtier.controller.actuators.registry` with ``options`` (their
+    factory keyword arguments, ``KVTIER_ACTUATOR_OPTIONS``) plus ``url`` from ``--lmcache-url``."""
     if name == "shadow":
         from kvtier.controller.actuators.shadow import ShadowActuator
 
@@ -48,14 +59,21 @@ def make_actuator(
         from kvtier.controller.actuators.vllm_warmup import VllmWarmupActuator
 
         return VllmWarmupActuator(engine_url, engine_model, **kw)
-    if name == "lmcache-mp":
+    from kvtier.controller.actuators import registry
+
+    opts = dict(options or {})
+    if name == "lmcache-mp" and "url" not in opts:
         if not lmcache_url:
             raise ValueError("--actuator lmcache-mp needs --lmcache-url")
-        from kvtier.controller.actuators.lmcache_mp import LMCacheMPActuator
-        from kvtier.controller.actuators.resilience import HttpCaller
-
-        return LMCacheMPActuator(HttpCaller(lmcache_url), **kw)
-    raise ValueError(f"unknown or unavailable actuator {name!r}; known: {', '.join(ACTUATOR_NAMES)}")
+        opts["url"] = lmcache_url
+    if name not in registry.names():
+        raise ValueError(f"unknown actuator {name!r}; known: {', '.join(ACTUATOR_NAMES)}")
+    try:
+        return registry.build(name, **opts)
+    except TypeError as exc:
+        raise ValueError(
+            f"actuator {name!r}: bad or missing options ({exc}); set KVTIER_ACTUATOR_OPTIONS"
+        ) from exc
 
 
 @dataclass
@@ -65,6 +83,7 @@ class ControlPlane:
     store: StateStore
     http: httpx.AsyncClient | None = None
     _task: asyncio.Task[None] | None = None
+    _retrain_task: asyncio.Task[None] | None = None
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     def on_block_stored(
@@ -80,9 +99,28 @@ class ControlPlane:
     async def start(self) -> None:
         self._stop = asyncio.Event()
         self._task = asyncio.create_task(self.loop.run(self._stop))
+        self._retrain_task = asyncio.create_task(self._retrain_periodically())
+
+    async def _retrain_periodically(self) -> None:
+        """Retrain every ``predictor.retrain_interval_s`` (0 = only on ``POST /v1/model/retrain``)."""
+        while not self._stop.is_set():
+            every = self.loop.policy.predictor.retrain_interval_s
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=every if every > 0 else 60.0)
+            if self._stop.is_set() or every <= 0:
+                continue
+            try:
+                await asyncio.to_thread(self.ctx.models.retrain)
+            except ModelManager.NotTrainable as exc:
+                log.info("periodic retrain skipped: %s", exc)
+            except Exception:  # noqa: BLE001 - keep serving with the current model
+                log.exception("periodic retrain failed")
 
     async def stop(self) -> None:
         self._stop.set()
+        if self._retrain_task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._retrain_task, timeout=5)
         if self._task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._task, timeout=self.loop.policy.tick_timeout_s + 5)
