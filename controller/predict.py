@@ -48,8 +48,7 @@ class HeuristicPredictor:
         np.divide(age, tau, out=age)
         np.negative(age, out=age)
         np.exp(age, out=age)
-        p *= age
-        p[~index.used[:n]] = 0.0
+        p *= age  # unused slots have freq 0, hence p = 0
         return p
 
     def info(self) -> dict[str, Any]:

@@ -309,13 +309,13 @@ class Planner:
         n = len(view)
         specs = cfg.tiers
         recent, tier_mask = self._in_flight(view, now_s)
-        first_bit = _FIRST_RANK[tier_mask]  # rank of the fastest resident tier; 4 = none
+        promoted = np.zeros(n, np.bool_)  # rows already given an up-move this tick
         pinned_rows = np.zeros(n, np.bool_)
         pinned_rows[view.rows_of(pins.keys())] = True
 
         candidates: list[tuple[int, float, Move]] = []  # (class, sort key, move); 0 pin, 1 shed, 2 gain
         # 1. pins
-        pin_moves = self._plan_pins(view, now_s, pins, pinned_at_layer, pin_admittable, first_bit, plan)
+        pin_moves = self._plan_pins(view, now_s, pins, pinned_at_layer, pin_admittable, tier_mask, plan)
         candidates.extend((0, -m.value_s, m) for m in pin_moves)
         # per-rank load bandwidth (index = tier rank; unmanaged tiers get the slowest managed bandwidth)
         bw = np.full(len(TIER_ORDER) + 1, min((sp.load_bandwidth_bytes_s for sp in specs), default=1e10))
@@ -336,11 +336,9 @@ class Planner:
 
         # 2. watermarks: shed lowest-value blocks from tiers above their high watermark.
         room: dict[Tier, int] = {}
-        by_mask = np.bincount(tier_mask, minlength=256)  # one pass: blocks per residency mask
-        masks = np.arange(256)
         for i, spec in enumerate(specs):
             bit = tier_bit(spec.tier)
-            count = int(by_mask[(masks & bit) != 0].sum())
+            count = int(np.count_nonzero(tier_mask & bit))
             plan.tier_usage[spec.tier.value] = count
             cap = spec.capacity_blocks
             high, low = int(spec.high_watermark * cap), int(spec.low_watermark * cap)
@@ -348,16 +346,17 @@ class Planner:
                 room[spec.tier] = high - count
                 continue
             room[spec.tier] = 0
-            resident = (tier_mask & bit) != 0
             need = count - low
-            protected = np.zeros(n, bool)
+            cand = np.flatnonzero(tier_mask & bit)
+            prot = np.zeros(cand.size, np.bool_)
             if pins:
-                prow = np.flatnonzero(pinned_rows)
-                pin_rank = np.array([pins.get(int(h), Tier.REMOTE).rank for h in view.hashes[prow]], np.int64)
-                protected[prow[pin_rank >= spec.tier.rank]] = True
-            plan.held["pinned"] += int(np.count_nonzero(resident & protected))
-            plan.held["hysteresis"] += int(np.count_nonzero(resident & recent & ~protected))
-            cand = np.flatnonzero(resident & ~protected & ~recent)
+                pin_rank = np.array([pins.get(int(h), Tier.REMOTE).rank for h in view.hashes[cand[pinned_rows[cand]]]],
+                                    np.int64)  # fmt: skip
+                prot[np.flatnonzero(pinned_rows[cand])[pin_rank >= spec.tier.rank]] = True
+            rec = recent[cand]
+            plan.held["pinned"] += int(np.count_nonzero(prot))
+            plan.held["hysteresis"] += int(np.count_nonzero(rec & ~prot))
+            cand = cand[~prot & ~rec]
             if cand.size == 0:
                 continue
             v_here = val(cand, spec.tier.rank)
@@ -386,29 +385,47 @@ class Planner:
 
         # 3. promotions / prefetches / admissions into free room, highest gain first.
         elig: npt.NDArray[np.intp] | None = None  # rows that may move up at all (computed once, lazily)
+        elig_rank = np.zeros(0, np.int8)
         for spec in specs:
             free = room.get(spec.tier, 0)
             if free <= 0:
                 continue
             if elig is None:
                 ok = view.p_reuse >= cfg.reuse_threshold
-                ok &= ~recent
-                ok &= ~pinned_rows
-                ok &= (first_bit < len(TIER_ORDER)) | view.admittable
-                ok &= first_bit > specs[0].tier.rank
+                ok &= (tier_mask != 0) | view.admittable
+                ok &= (tier_mask & tier_bit(specs[0].tier)) == 0
                 elig = np.flatnonzero(ok)
-            cand = elig[first_bit[elig] > spec.tier.rank]
+                elig = elig[~recent[elig] & ~pinned_rows[elig]]
+                elig_rank = _FIRST_RANK[tier_mask[elig]]  # fastest resident tier of each; 4 = none
+            sel = (elig_rank > spec.tier.rank) & ~promoted[elig]
+            cand, cand_rank = elig[sel], elig_rank[sel]
             if cand.size == 0:
                 continue
-            gain = val(cand, spec.tier.rank) - val(cand, first_bit[cand])
+            k = min(free, cfg.max_candidates_per_tier, ops_cap)
+            n_qual = cand.size
+            if cand.size > 8 * k:
+                # pre-select the likeliest 4k per source tier: within one source tier the gain grows with
+                # P(reuse) for equal block sizes, so the exact top-k by gain is among them
+                keep = []
+                for r in range(spec.tier.rank + 1, len(TIER_ORDER) + 1):
+                    grp = np.flatnonzero(cand_rank == r)
+                    if grp.size == 0:
+                        continue
+                    if grp.size > 4 * k:
+                        pg = view.p_reuse[cand[grp]]
+                        grp = grp[np.argpartition(-pg, 4 * k - 1)[: 4 * k]]
+                    keep.append(grp)
+                pick = np.sort(np.concatenate(keep))
+                cand, cand_rank = cand[pick], cand_rank[pick]
+            gain = val(cand, spec.tier.rank) - val(cand, cand_rank)
             good = gain > cfg.min_gain_s
-            cand, gain = cand[good], gain[good]
+            cand, gain, cand_rank = cand[good], gain[good], cand_rank[good]
             if cand.size == 0:
                 continue
-            take = _largest(gain, min(free, cfg.max_candidates_per_tier, ops_cap))
-            order, g_order = cand[take], gain[take]
+            take = _largest(gain, k)
+            order, g_order, o_rank = cand[take], gain[take], cand_rank[take]
             for j, r in enumerate(order.tolist()):
-                src_rank = int(first_bit[r])
+                src_rank = int(o_rank[j])
                 src = TIER_ORDER[src_rank] if src_rank < len(TIER_ORDER) else None
                 if src is None:
                     action: Action = "admit"
@@ -418,13 +435,13 @@ class Planner:
                     action = "promote"
                 m = Move(action, int(view.hashes[r]), src, spec.tier, float(g_order[j]), int(view.nbytes[r]))
                 candidates.append((2, -m.value_s, m))
-            beyond = min(free, cand.size) - order.size
+            beyond = min(free, n_qual) - order.size
             if beyond > 0:
                 a = "prefetch" if spec.tier is Tier.GPU else "promote"
                 plan.tried[a] += beyond
                 plan.deferred[a] += beyond
             # the same block must not be promoted into two tiers in one tick
-            first_bit[order] = spec.tier.rank
+            promoted[order] = True
 
         # 4. spend the link budgets: class first (pins, shedding, gains), then highest value.
         candidates.sort(key=lambda c: (c[0], c[1]))
@@ -453,7 +470,7 @@ class Planner:
         pins: Mapping[int, Tier],
         pinned_at_layer: Collection[int],
         pin_admittable: Collection[int],
-        first_bit: npt.NDArray[np.int8],
+        tier_mask: npt.NDArray[np.uint8],
         plan: Plan,
     ) -> list[Move]:
         if not pins:
@@ -475,7 +492,7 @@ class Planner:
                 else:
                     plan.held["pin_unknown_tokens"] += 1
                 continue
-            rank = int(first_bit[r])
+            rank = int(_FIRST_RANK[int(tier_mask[r])])
             nbytes = int(view.nbytes[r])
             if rank <= tier.rank:
                 if h not in acked:
