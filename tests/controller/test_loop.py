@@ -252,7 +252,7 @@ def test_pinset_block_map_prefers_fastest_tier() -> None:
 
 
 def test_run_counts_tick_timeouts_and_skips_overlapping_ticks() -> None:
-    """A stuck actuation makes the tick exceed tick_timeout_s: counted, the runner goes on, overlaps skipped."""
+    """A stuck actuation makes a tick exceed tick_timeout_s: counted; the runner goes on, skips overlaps."""
     import asyncio
     import threading
     import time as _time
