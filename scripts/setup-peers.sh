@@ -19,6 +19,7 @@ command -v prometheus >/dev/null || need_apt+=(prometheus)
 command -v chromium >/dev/null || need_apt+=(chromium)
 command -v ip >/dev/null || need_apt+=(iproute2)
 command -v curl >/dev/null || need_apt+=(curl)
+command -v unshare >/dev/null || need_apt+=(util-linux)  # private netns for the Mooncake / LMCache-controller tests
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "apt-get install ${need_apt[*]}"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
