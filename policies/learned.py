@@ -41,12 +41,13 @@ class LearnedPolicy(Policy):
         *,
         seed: int = 0,
         horizon_s: float = 300.0,
-        retrain_every: int = 1000,
-        max_train: int = 8000,
+        retrain_every: int = 1500,
+        max_train: int = 5000,
         min_class: int = 200,
         tau_mode: str = "gap",
         expert_mults: tuple[float, ...] = (0.25, 1.0, 4.0, 32.0),
         switch_every: int = 100,
+        shadow_rate: float = 0.25,
         expert_decay: float = 0.998,
         event_buffer: int = 1 << 18,
     ) -> None:
@@ -75,7 +76,12 @@ class LearnedPolicy(Policy):
         self._n_slots = 0
         # the real cache follows the best recent of its shadows, which differ only in the recency scale
         self._real = KeyedPlanner(capacity_blocks, 1.0, cap0)
-        self._shadows = [KeyedPlanner(capacity_blocks, m, cap0) for m in expert_mults]
+        # shadows are miniature simulations (Waldspurger et al., ATC'17): they see only the chains whose
+        # first block below the root hashes into a ``shadow_rate`` sample, with capacity scaled alike
+        self.shadow_rate = shadow_rate
+        self._shadow_cut = int(shadow_rate * (1 << 24))
+        shadow_cap = max(1, round(capacity_blocks * shadow_rate))
+        self._shadows = [KeyedPlanner(shadow_cap, m, cap0) for m in expert_mults]
         self._switches = 0
         self._views()
         self._evict_age = np.zeros(4096, dtype=np.float64)  # ages (ms) of recently evicted blocks
@@ -203,7 +209,9 @@ class LearnedPolicy(Policy):
             self._n_evict_age += es.size
         self._last_ms[slots] = now
         decay = self.expert_decay
-        for sh in self._shadows:
+        chain = int(ids[1]) if n > 1 else int(ids[0])
+        sampled = (((chain * 0x9E3779B97F4A7C15 + self.seed) & 0xFFFFFFFFFFFFFFFF) >> 40) < self._shadow_cut
+        for sh in self._shadows if sampled else ():
             h = sh.serve(slots, z + now_s / (self.tau_s * sh.mult), self._v_par, None)
             lead = n if h.all() else int(np.argmin(h))
             sh.score = sh.score * decay + (req.input_length if lead == n else lead * req.block_tokens)

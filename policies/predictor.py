@@ -84,7 +84,7 @@ class BinnedLogit:
             raw.append(extra)
         if raw:
             onehot = sparse.hstack([onehot, sparse.csr_matrix(np.hstack(raw))], format="csr")
-        model = LogisticRegression(C=self.c, max_iter=100, tol=1e-3, random_state=self.seed)
+        model = LogisticRegression(C=self.c, max_iter=60, tol=1e-3, random_state=self.seed)
         model.fit(onehot, y)
         coef = model.coef_[0].astype(np.float64)
         self.weights = coef[:nb]
