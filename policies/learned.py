@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from kvtier.policies.base import HitMask, Policy, Request
 from kvtier.policies.features import FEATURE_NAMES, N_FEATURES, fallback_logit, request_features
-from kvtier.policies.planner import KeyedPlanner
+from kvtier.policies.keyed_planner import KeyedPlanner
 from kvtier.policies.predictor import BinnedLogit, auc, brier, reliability, sigmoid
 
 _I64 = np.int64

@@ -1,0 +1,362 @@
+"""Subscribe to a vLLM engine's KV-cache events over ZMQ and feed them to a :class:`KvIngestor`.
+
+* Discovery: ``GET /kv_event_sources`` -> ``{dp_rank: {endpoint, replay_endpoint, topic, ...}}`` (this is the
+  collector's fetch/parse; :meth:`KvEventSubscriber.poll` (re)configures the sockets from it).
+* Bind-or-connect mirrors vLLM's rule (``ZmqEventPublisher._is_bind_endpoint``): vLLM BINDS its PUB socket
+  only for endpoints with ``*`` or ``::`` or ``ipc://``/``inproc://`` -> the SUB connects (wildcards replaced
+  by the engine's host); for any other endpoint (e.g. ``tcp://127.0.0.1:P``) vLLM CONNECTS -> the SUB binds.
+  The replay ROUTER is always bound by vLLM -> the DEALER connects.
+* Sequence numbers (8-byte big-endian, +1 per batch per publisher): a gap is filled from the replay endpoint
+  when there is one (``(b"", start_seq)`` -> batches then an end marker with seq -1), otherwise counted lost.
+  A sequence that goes backwards means the publisher restarted: what that source held is dropped (its caches
+  are empty after a restart), as is done when :meth:`note_engine_start` sees a new process start time.
+* Malformed frames / events are counted in ``kvtier_collector_errors_total{collector}`` and skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+
+from kvtier.collectors.base import Clock, HttpCollector, Observation
+from kvtier.collectors.kv_ingest import KvIngestor
+from kvtier.collectors.vllm_events import DecodedBatch, DecodeError, decode_frames
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class KvSource:
+    """One publisher (DP rank) as reported by ``/kv_event_sources``."""
+
+    dp_rank: int
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+
+
+@dataclass(frozen=True, slots=True)
+class KvSourcesObservation(Observation):
+    sources: tuple[KvSource, ...]
+
+
+def parse_sources(text: str) -> tuple[KvSource, ...]:
+    """Pure: ``/kv_event_sources`` JSON -> sources sorted by DP rank. Raises ValueError on a bad document."""
+    doc = json.loads(text)
+    if not isinstance(doc, dict):
+        raise ValueError("kv_event_sources is not a JSON object")
+    out = []
+    for rank, cfg in doc.items():
+        if not isinstance(cfg, dict) or not isinstance(cfg.get("endpoint"), str):
+            raise ValueError(f"kv_event_sources[{rank!r}] has no endpoint")
+        if cfg.get("enable_kv_cache_events") is False or cfg.get("publisher") not in (None, "zmq"):
+            continue
+        replay = cfg.get("replay_endpoint")
+        out.append(
+            KvSource(
+                dp_rank=int(rank),
+                endpoint=cfg["endpoint"],
+                replay_endpoint=replay if isinstance(replay, str) and replay else None,
+                topic=str(cfg.get("topic") or ""),
+            )
+        )
+    return tuple(sorted(out, key=lambda s: s.dp_rank))
+
+
+def vllm_binds(endpoint: str) -> bool:
+    """vLLM's rule: its PUB binds for '*', '::', ipc:// and inproc:// endpoints, else connects."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def subscriber_plan(endpoint: str, engine_host: str) -> tuple[str, str]:
+    """('bind'|'connect', address) for our SUB socket facing vLLM's PUB ``endpoint``."""
+    if endpoint.startswith("inproc://"):
+        raise ValueError(f"{endpoint}: inproc endpoints are not reachable from another process")
+    if not vllm_binds(endpoint):
+        return "bind", endpoint
+    return "connect", _dewildcard(endpoint, engine_host)
+
+
+def _dewildcard(endpoint: str, engine_host: str) -> str:
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://") :].rpartition(":")
+        if host in ("*", "::", "[::]", "0.0.0.0"):
+            h = f"[{engine_host}]" if ":" in engine_host else engine_host
+            return f"tcp://{h}:{port}"
+    return endpoint
+
+
+@dataclass(slots=True)
+class _SourceState:
+    src: KvSource
+    sub: zmq.asyncio.Socket
+    sub_addr: str
+    expected: int | None = None  # next sequence number expected
+    batches: int = 0
+    lost: int = 0  # batches (sequence numbers) neither received nor replayed
+    replayed: int = 0  # batches recovered from the replay endpoint
+    restarts: int = 0  # publisher restarts detected (sequence went backwards)
+    cleared_awaiting_first: bool = False
+    seq_reset_seen: bool = False
+    label: str = field(default="")
+
+
+class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
+    """KV events of one vLLM engine (all its DP ranks) -> :class:`KvIngestor`."""
+
+    kind = "vllm_kv_events"
+    path = "/kv_event_sources"
+
+    def __init__(
+        self,
+        name: str,
+        base_url: str,
+        *,
+        ingestor: KvIngestor,
+        client: httpx.AsyncClient,
+        registry: CollectorRegistry,
+        context: zmq.asyncio.Context,
+        engine: str | None = None,
+        clock: Clock = time.time,
+        replay_timeout_s: float = 2.0,
+        timeout_s: float = 5.0,
+    ) -> None:
+        super().__init__(name, base_url, client=client, registry=registry, clock=clock, timeout_s=timeout_s)
+        self.ingestor = ingestor
+        self.ctx = context
+        self.engine = engine or (urlsplit(base_url).netloc or base_url)
+        self.engine_host = urlsplit(base_url).hostname or "127.0.0.1"
+        self.replay_timeout_s = replay_timeout_s
+        self._states: dict[int, _SourceState] = {}
+        self._engine_start: float | None = None
+        self._lost_total = 0  # survive socket reconfiguration
+        self._replayed_total = 0
+        self._wake = asyncio.Event()
+        self.ingestor.counts[self.engine]  # export zero counters from the start
+
+    # ---- Collector ----------------------------------------------------------------------------------------
+    def parse(self, raw: str, now: float) -> KvSourcesObservation:
+        return KvSourcesObservation(collector=self.name, timestamp=now, sources=parse_sources(raw))
+
+    async def poll(self) -> KvSourcesObservation | None:
+        obs = await super().poll()
+        if obs is not None:
+            try:
+                self._configure(obs.sources)
+            except (zmq.ZMQError, ValueError) as exc:
+                self._fail("socket", exc)
+                return None
+        return obs
+
+    def status(self) -> dict[str, Any]:
+        out = super().status()
+        out["engine"] = self.engine
+        out["sources"] = [
+            {
+                "dp_rank": r,
+                "endpoint": st.src.endpoint,
+                "socket": st.sub_addr,
+                "replay_endpoint": st.src.replay_endpoint,
+                "next_seq": st.expected,
+                "batches": st.batches,
+                "lost": st.lost,
+                "replayed": st.replayed,
+                "restarts": st.restarts,
+            }
+            for r, st in sorted(self._states.items())
+        ]
+        return out
+
+    @property
+    def lost(self) -> int:
+        """Batches lost (not received and not replayed), all DP ranks, since start."""
+        return self._lost_total
+
+    @property
+    def replayed(self) -> int:
+        return self._replayed_total
+
+    @property
+    def batches(self) -> int:
+        return sum(st.batches for st in self._states.values())
+
+    # ---- engine restarts ----------------------------------------------------------------------------------
+    def note_engine_start(self, start_time: float | None) -> None:
+        """Feed the engine's process start time (from /metrics); a change means it restarted."""
+        if start_time is None:
+            return
+        prev, self._engine_start = self._engine_start, start_time
+        if prev is None or start_time == prev:
+            return
+        for st in self._states.values():
+            if st.seq_reset_seen:  # the event stream already told us (and we cleared then)
+                st.seq_reset_seen = False
+                continue
+            self._restart(st, "process start time changed")
+            st.cleared_awaiting_first = True
+
+    def _restart(self, st: _SourceState, why: str) -> None:
+        n = self.ingestor.clear_source(self.engine, st.label)
+        st.expected = 0
+        st.restarts += 1
+        log.info("%s dp%d: publisher restarted (%s); dropped %d blocks", self.engine, st.src.dp_rank, why, n)
+
+    # ---- sockets ------------------------------------------------------------------------------------------
+    def _configure(self, sources: tuple[KvSource, ...]) -> None:
+        wanted = {s.dp_rank: s for s in sources}
+        for rank in list(self._states):
+            if rank not in wanted or wanted[rank] != self._states[rank].src:
+                self._states.pop(rank).sub.close(linger=0)
+        for rank, src in wanted.items():
+            if rank in self._states:
+                continue
+            how, addr = subscriber_plan(src.endpoint, self.engine_host)
+            sock = self.ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
+            try:
+                sock.bind(addr) if how == "bind" else sock.connect(addr)
+            except zmq.ZMQError:
+                sock.close(linger=0)
+                raise
+            label = self.engine if rank == 0 else f"{self.engine}/dp{rank}"
+            self._states[rank] = _SourceState(src=src, sub=sock, sub_addr=f"{how} {addr}", label=label)
+            log.info("%s dp%d: SUB %s %s (topic %r)", self.engine, rank, how, addr, src.topic)
+        self._wake.set()
+
+    async def aclose(self) -> None:
+        for st in self._states.values():
+            st.sub.close(linger=0)
+        self._states.clear()
+        self._wake.set()
+
+    # ---- receive loop -------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Receive and apply batches until cancelled. Never raises on bad input."""
+        while True:
+            if not self._states:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            poller = zmq.asyncio.Poller()
+            socks: dict[Any, _SourceState] = {}
+            for st in self._states.values():
+                poller.register(st.sub, zmq.POLLIN)
+                socks[st.sub] = st
+            self._wake.clear()
+            ready = await poller.poll(timeout=200)
+            for sock, _ in ready:
+                got = socks.get(sock)
+                if got is None or got.sub.closed:
+                    continue
+                st = got
+                while True:
+                    try:
+                        frames = await st.sub.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    await self.handle(st.src.dp_rank, frames)
+            if ready:
+                self.ingestor.flush()  # queued index updates -> BlockIndex once the sockets are drained
+
+    async def handle(self, rank: int, frames: list[bytes]) -> None:
+        """One received message from DP rank ``rank``: decode, check sequence, replay gaps, apply."""
+        st = self._states.get(rank)
+        if st is None:
+            return
+        try:
+            batch = decode_frames(frames)
+        except DecodeError as exc:
+            self.count_error("frame", exc)
+            return
+        await self._accept(st, batch)
+
+    async def _accept(self, st: _SourceState, batch: DecodedBatch) -> None:
+        seq = batch.seq
+        if st.expected is None:
+            st.expected = 0  # a fresh subscriber: everything since seq 0 is wanted
+        if seq < st.expected:
+            if st.cleared_awaiting_first and seq == 0:
+                st.cleared_awaiting_first = False  # restart already handled via note_engine_start
+            else:
+                self._restart(st, f"sequence went back from {st.expected} to {seq}")
+                st.seq_reset_seen = True
+            st.expected = 0
+        if seq > st.expected:
+            await self._fill_gap(st, st.expected, seq)
+        self._apply(st, batch)
+
+    def _apply(self, st: _SourceState, batch: DecodedBatch) -> None:
+        if batch.skipped:
+            for _ in range(batch.skipped):
+                self.count_error("event", f"malformed/unknown event in batch {batch.seq}")
+        st.cleared_awaiting_first = False
+        try:
+            self.ingestor.apply(self.engine, batch, st.label)
+        except (DecodeError, ValueError, OverflowError) as exc:
+            self.count_error("apply", exc)
+        st.batches += 1
+        st.expected = batch.seq + 1
+
+    async def _fill_gap(self, st: _SourceState, start: int, end: int) -> None:
+        """Batches [start, end) are missing: replay what the engine still buffers; count the rest lost."""
+        if st.src.replay_endpoint:
+            try:
+                await self._replay(st, end)
+            except (zmq.ZMQError, TimeoutError) as exc:
+                self.count_error("replay", exc)
+        if st.expected is not None and st.expected < end:
+            self._lose(st, end - st.expected)
+            st.expected = end
+
+    def _lose(self, st: _SourceState, n: int) -> None:
+        st.lost += n
+        self._lost_total += n
+        log.warning(
+            "%s dp%d: %d KV-event batches lost before seq %s", self.engine, st.src.dp_rank, n, st.expected
+        )
+
+    async def _replay(self, st: _SourceState, end: int) -> None:
+        """Ask the ROUTER for batches from ``st.expected``; apply those < ``end`` in order."""
+        assert st.src.replay_endpoint is not None and st.expected is not None
+        addr = _dewildcard(st.src.replay_endpoint, self.engine_host)
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(addr)
+            await sock.send_multipart([b"", st.expected.to_bytes(8, "big")])
+            deadline = time.monotonic() + self.replay_timeout_s
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not await sock.poll(timeout=max(1, int(left * 1000))):
+                    raise TimeoutError(f"replay from {addr} timed out after {self.replay_timeout_s} s")
+                parts = await sock.recv_multipart()
+                if parts and parts[0] == b"":
+                    parts = parts[1:]
+                if len(parts) == 3 and parts[1] == b"\xff" * 8:
+                    return  # end marker
+                try:
+                    b = decode_frames(parts)
+                except DecodeError as exc:
+                    self.count_error("frame", exc)
+                    continue
+                if b.seq < st.expected or b.seq >= end:
+                    continue
+                if b.seq > st.expected:  # the engine's buffer no longer has the older ones
+                    self._lose(st, b.seq - st.expected)
+                self._apply(st, b)
+                st.replayed += 1
+                self._replayed_total += 1
+        finally:
+            sock.close(linger=0)

@@ -1,0 +1,1 @@
+"""Actuators: one interface (:mod:`.base`), one adapter per cache layer."""

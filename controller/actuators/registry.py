@@ -1,0 +1,65 @@
+"""Build cache-layer actuators by name (``kvtier serve --actuator NAME``): ``lmcache-mp``,
+``lmcache-controller``, ``mooncake``. ``vllm-warmup`` and ``shadow`` are registered by their own modules
+through :func:`register`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .base import Actuator
+from .resilience import HttpCaller
+
+Factory = Callable[..., Actuator]
+_FACTORIES: dict[str, Factory] = {}
+
+
+def register(name: str, factory: Factory) -> None:
+    _FACTORIES[name] = factory
+
+
+def names() -> list[str]:
+    return sorted(_FACTORIES)
+
+
+def build(name: str, **settings: Any) -> Actuator:
+    """Construct actuator ``name``; settings are the factory's keyword arguments (see each factory)."""
+    try:
+        factory = _FACTORIES[name]
+    except KeyError:
+        raise ValueError(f"unknown actuator {name!r}; known: {names()}") from None
+    return factory(**settings)
+
+
+def _lmcache_mp(*, url: str, timeout_s: float = 5.0, **kw: Any) -> Actuator:
+    """``url``: the MP server's HTTP address (``--http-host/--http-port``)."""
+    from .lmcache_mp import LMCacheMPActuator
+
+    return LMCacheMPActuator(HttpCaller(url, timeout_s=timeout_s), **kw)
+
+
+def _lmcache_controller(*, url: str, instance_id: str, timeout_s: float = 10.0) -> Actuator:
+    from .lmcache_controller import build as build_controller
+
+    return build_controller(url, instance_id, timeout_s=timeout_s)
+
+
+def _mooncake(*, admin_url: str, local_hostname: str, metadata_url: str, master_addr: str,
+              segment_bytes: int = 64 << 20, buffer_bytes: int = 16 << 20, protocol: str = "tcp",
+              timeout_s: float = 5.0) -> Actuator:
+    """Sets up a Mooncake client (needs the ``mooncake-transfer-engine`` wheel in this interpreter)."""
+    import importlib
+
+    from .mooncake import MooncakeActuator
+
+    mc = importlib.import_module("mooncake.store")
+    store = mc.MooncakeDistributedStore()
+    rc = store.setup(local_hostname, metadata_url, segment_bytes, buffer_bytes, protocol, "", master_addr)
+    if rc != 0:
+        raise RuntimeError(f"mooncake setup({local_hostname}) returned {rc}")
+    return MooncakeActuator(store, HttpCaller(admin_url, timeout_s=timeout_s), bindings=mc)
+
+
+register("lmcache-mp", _lmcache_mp)
+register("lmcache-controller", _lmcache_controller)
+register("mooncake", _mooncake)

@@ -1,0 +1,48 @@
+"""``kvtier serve``: run the sidecar (collectors + API) on ``--listen``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def serve(
+    engine_url: list[str] = typer.Option(None, "--engine-url", help="vLLM API server URL (repeatable)."),
+    lmcache_url: list[str] = typer.Option(None, "--lmcache-url", help="LMCache MP server URL (repeatable)."),
+    mooncake_url: list[str] = typer.Option(None, "--mooncake-url", help="Mooncake master URL (repeatable)."),
+    listen: str = typer.Option(None, "--listen", help="HOST:PORT to serve on [127.0.0.1:8787]."),
+    config: Path = typer.Option(
+        None, "--config", help="Config file (JSON or TOML); KVTIER_* env overrides it."
+    ),
+    mode: str = typer.Option(None, "--mode", help="off | shadow | active [persisted policy; shadow]."),
+    actuator: list[str] = typer.Option(None, "--actuator", help="shadow|vllm-warmup|lmcache-mp (repeat)."),
+    state_dir: Path = typer.Option(None, "--state-dir", help="Policy/pins/model kept here [.kvtier-state]."),
+    log_json: bool = typer.Option(None, "--log-json", help="JSON-lines logs."),
+) -> None:
+    """Watch vLLM (metrics + KV events), cache layers and storage; serve /metrics, /v1/status, /readyz;
+    run the reconcile loop and the policy API (/v1/policy, /v1/pins, /v1/decisions, ...; OpenAPI at /docs)."""
+    import uvicorn
+
+    from kvtier.controller.control_sidecar import ControlledSidecar, create_controlled_app
+    from kvtier.controller.logs import configure_logging
+    from kvtier.controller.settings import load_settings
+    from kvtier.controller.sidecar import PeerNotAvailable
+
+    try:
+        settings = load_settings(
+            config, engine_urls=engine_url or None, lmcache_urls=lmcache_url or None,
+            mooncake_urls=mooncake_url or None, listen=listen, mode=mode, actuators=actuator or None,
+            state_dir=str(state_dir) if state_dir else None, log_json=log_json,
+        )  # fmt: skip
+        host, port = settings.listen_host_port
+        configure_logging(settings.log_level, json_lines=settings.log_json)
+        sidecar = ControlledSidecar(settings)
+    except (PeerNotAvailable, ValueError, OSError) as exc:
+        typer.echo(f"kvtier serve: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    uvicorn.run(create_controlled_app(sidecar), host=host, port=port, log_level=settings.log_level.lower())
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)

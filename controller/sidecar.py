@@ -1,0 +1,277 @@
+"""The sidecar's collection runtime: builds the collectors from :class:`Settings`, runs each in its own task.
+
+A peer that is down never stops the others: every collector polls on its own loop and ``poll()`` never raises.
+Shared state for the API: the prometheus registry, the :class:`KvIngestor` (block index), the collectors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector as PromCollector
+
+from kvtier.collectors.base import Clock, Collector
+from kvtier.collectors.kv_ingest import EVENT_TYPES, KvIngestor
+from kvtier.collectors.storage import StorageCollector
+from kvtier.collectors.vllm_kv_subscriber import KvEventSubscriber
+from kvtier.collectors.vllm_metrics import VllmMetricsCollector, VllmMetricsObservation
+from kvtier.controller.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class PeerNotAvailable(RuntimeError):
+    """A cache-layer collector module (``kvtier.collectors.lmcache_mp`` / ``.mooncake``) is not installed."""
+
+
+def _engine_label(url: str) -> str:
+    return urlsplit(url).netloc or url
+
+
+class KvMetricsExporter(PromCollector):
+    """Exports the ingestor's counters at scrape time (no per-event prometheus calls on the hot path)."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sc = sidecar
+
+    def collect(self) -> Iterable[Metric]:
+        ing = self.sc.ingestor
+        ev = CounterMetricFamily("kvtier_kv_events", "KV-cache events received, by engine and type.",
+                                 labels=["engine", "type"])  # fmt: skip
+        blk = CounterMetricFamily("kvtier_kv_block_events", "Block hashes in KV events, by engine and op.",
+                                  labels=["engine", "op"])  # fmt: skip
+        lost = CounterMetricFamily("kvtier_kv_events_lost",
+                                   "KV-event batches lost (sequence gaps not replayed), by engine.",
+                                   labels=["engine"])  # fmt: skip
+        rep = CounterMetricFamily("kvtier_kv_events_replayed", "KV-event batches recovered by replay.",
+                                  labels=["engine"])  # fmt: skip
+        for eng, c in sorted(ing.counts.items()):
+            for t in EVENT_TYPES:
+                ev.add_metric([eng, t], c.events.get(t, 0))
+            for op, v in (("stored", c.blocks_stored), ("removed", c.blocks_removed),
+                          ("reannounced", c.blocks_reannounced), ("removed_unknown", c.removed_unknown),
+                          ("cleared", c.blocks_cleared), ("accessed", c.accesses_inferred)):  # fmt: skip
+                blk.add_metric([eng, op], v)
+        for s in self.sc.subscribers:
+            lost.add_metric([s.engine], s.lost)
+            rep.add_metric([s.engine], s.replayed)
+        tracked = GaugeMetricFamily("kvtier_blocks_tracked", "Blocks the sidecar believes resident, by tier.",
+                                    labels=["tier"])  # fmt: skip
+        for tier, n in ing.blocks_tracked().items():
+            tracked.add_metric([tier], n)
+        yield from (ev, blk, lost, rep, tracked)
+
+
+class Sidecar:
+    """Collectors + block index + registry; :meth:`start` launches the loops, :meth:`stop` ends them."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        registry: CollectorRegistry | None = None,
+        client: httpx.AsyncClient | None = None,
+        clock: Clock = time.time,
+        ingestor: KvIngestor | None = None,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.client = client or httpx.AsyncClient(timeout=settings.http_timeout_s)
+        self._owns_client = client is None
+        self.clock = clock
+        self.ingestor = ingestor or KvIngestor()
+        self.zctx = zmq.asyncio.Context()
+        self.metrics_collectors: list[VllmMetricsCollector] = []
+        self.subscribers: list[KvEventSubscriber] = []
+        self.cache_collectors: list[Collector[Any, Any]] = []
+        self.storage: StorageCollector | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.started_at: float | None = None
+        kw: dict[str, Any] = {"client": self.client, "registry": self.registry, "clock": clock}
+        for url in settings.engine_urls:
+            eng = _engine_label(url)
+            self.metrics_collectors.append(
+                VllmMetricsCollector(f"vllm_metrics:{eng}", url, timeout_s=settings.http_timeout_s, **kw)
+            )
+            self.subscribers.append(
+                KvEventSubscriber(
+                    f"vllm_kv_events:{eng}",
+                    url,
+                    ingestor=self.ingestor,
+                    context=self.zctx,
+                    engine=eng,
+                    replay_timeout_s=settings.replay_timeout_s,
+                    timeout_s=settings.http_timeout_s,
+                    **kw,
+                )  # fmt: skip
+            )
+        for url in settings.lmcache_urls:
+            self.cache_collectors.append(self._cache_collector("lmcache_mp", "LMCacheMPCollector", url, kw))
+        for url in settings.mooncake_urls:
+            self.cache_collectors.append(self._cache_collector("mooncake", "MooncakeCollector", url, kw))
+        if settings.storage_enabled:
+            self.storage = StorageCollector(
+                registry=self.registry,
+                clock=clock,
+                root=settings.storage_root,
+                tier_paths=settings.tier_paths,
+                devices=settings.storage_devices,
+            )
+        self.registry.register(KvMetricsExporter(self))
+
+    def _cache_collector(self, module: str, cls: str, url: str, kw: dict[str, Any]) -> Collector[Any, Any]:
+        """Instantiate ``kvtier.collectors.<module>.<cls>(name, url, client=, registry=, clock=)``."""
+        try:
+            mod = importlib.import_module(f"kvtier.collectors.{module}")
+            factory = getattr(mod, cls)
+        except (ImportError, AttributeError) as exc:
+            raise PeerNotAvailable(
+                f"--{module.split('_')[0]}-url given but kvtier.collectors.{module}.{cls} is not available "
+                f"in this build ({exc})"
+            ) from exc
+        c: Collector[Any, Any] = factory(f"{module}:{_engine_label(url)}", url, **kw)
+        return c
+
+    @property
+    def collectors(self) -> list[Collector[Any, Any]]:
+        out: list[Collector[Any, Any]] = [*self.metrics_collectors, *self.subscribers, *self.cache_collectors]
+        if self.storage is not None:
+            out.append(self.storage)
+        return out
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.started_at = self.clock()
+        s = self.settings
+        for mc, sub in zip(self.metrics_collectors, self.subscribers, strict=True):
+            self._spawn(self._metrics_loop(mc, sub, s.scrape_interval_s), mc.name)
+            self._spawn(self._loop(sub, s.discovery_interval_s), sub.name + ":discovery")
+            self._spawn(sub.run(), sub.name + ":recv")
+        for c in self.cache_collectors:
+            self._spawn(self._loop(c, s.scrape_interval_s), c.name)
+        if self.storage is not None:
+            self._spawn(self._loop(self.storage, s.storage_interval_s), self.storage.name)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        self._tasks.append(asyncio.create_task(coro, name=name))
+
+    async def _loop(self, c: Collector[Any, Any], interval: float) -> None:
+        while True:
+            await c.poll()
+            await asyncio.sleep(interval)
+
+    async def _metrics_loop(self, mc: VllmMetricsCollector, sub: KvEventSubscriber, interval: float) -> None:
+        while True:
+            obs = await mc.poll()
+            if isinstance(obs, VllmMetricsObservation):
+                sub.note_engine_start(obs.process_start_time)
+            await asyncio.sleep(interval)
+
+    async def poll_once(self) -> None:
+        """Poll every collector once (metrics, discovery, cache layers, storage) -- for tests and warm-up."""
+        for mc, sub in zip(self.metrics_collectors, self.subscribers, strict=True):
+            obs = await mc.poll()
+            if isinstance(obs, VllmMetricsObservation):
+                sub.note_engine_start(obs.process_start_time)
+            await sub.poll()
+        for c in self.cache_collectors:
+            await c.poll()
+        if self.storage is not None:
+            await self.storage.poll()
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        for c in self.collectors:
+            with contextlib.suppress(Exception):
+                await c.aclose()
+        if self._owns_client:
+            await self.client.aclose()
+        self.zctx.term()
+
+    # ---- views --------------------------------------------------------------------------------------------
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """(ready, detail): ready when every configured collector's last poll succeeded."""
+        down = {c.name: c.health.last_error or "not polled yet" for c in self.collectors if not c.health.up}
+        return not down, {
+            "ready": not down,
+            "down": down,
+            "collectors": {c.name: c.health.up for c in self.collectors},
+        }
+
+    def status(self) -> dict[str, Any]:
+        ing = self.ingestor
+        ing.flush()
+        received = {e: {t: n for t, n in c.events.items()} for e, c in sorted(ing.counts.items())}
+        engines = []
+        for mc, sub in zip(self.metrics_collectors, self.subscribers, strict=True):
+            latest = mc.latest
+            samples = [_sample_dict(s) for s in latest.engines] if latest is not None else []
+            first = samples[0] if samples else None
+            c = ing.counts.get(sub.engine)
+            engines.append(
+                {
+                    "url": mc.base_url,
+                    "engine": sub.engine,
+                    "up": mc.health.up,
+                    "kv_events_up": sub.health.up,
+                    "latest": first,
+                    "prefix_cache_hit_ratio": first["prefix_cache_hit_ratio"] if first else None,
+                    "samples": samples,  # one per (model, vLLM engine index / DP rank)
+                    "process_start_time": latest.process_start_time if latest is not None else None,
+                    "unknown_families": list(latest.unknown_families) if latest is not None else [],
+                    "missing_families": list(latest.missing_families) if latest is not None else [],
+                    "kv_events": sub.status(),
+                    "blocks_held": {t.value: ing.held(sub.engine, t) for t in _tiers()},
+                    "blocks": None
+                    if c is None
+                    else {
+                        "stored": c.blocks_stored,
+                        "removed": c.blocks_removed,
+                        "reannounced": c.blocks_reannounced,
+                        "removed_unknown": c.removed_unknown,
+                        "cleared": c.blocks_cleared,
+                        "accesses_inferred": c.accesses_inferred,
+                    },  # fmt: skip
+                }
+            )
+        return {
+            "blocks_tracked": ing.blocks_tracked(),
+            "index_blocks": len(ing.index),
+            "kv_events_received": sum(sum(v.values()) for v in received.values()),
+            "kv_events_received_by_engine": received,
+            "kv_events_lost": sum(s.lost for s in self.subscribers),
+            "kv_events_replayed": sum(s.replayed for s in self.subscribers),
+            "engines": engines,
+            "cache_layers": [c.status() for c in self.cache_collectors],
+            "storage": self.storage.status() if self.storage is not None else None,
+            "collector_errors": {c.name: c.health.errors_by_kind for c in self.collectors},
+        }
+
+
+def _tiers() -> tuple[Any, ...]:
+    from kvtier.policies.tiers import TIER_ORDER
+
+    return TIER_ORDER
+
+
+def _sample_dict(s: Any) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    d: dict[str, Any] = asdict(s)
+    return d
