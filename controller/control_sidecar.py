@@ -34,6 +34,13 @@ class ControlIngestor(KvIngestor):
         plane = self.plane
         if plane is None:
             return
+        pl = plane.loop.placement
+        if pl is not None:  # request-shaped accesses for the placement policy (observed at the next tick)
+            try:
+                pl.requests.on_events(batch.events)
+            except Exception as exc:  # noqa: BLE001 - a bad event must not stop ingestion
+                pl.requests.counts["skipped_events"] += 1
+                log.warning("request inference: skipped a batch: %s", exc)
         tokens = plane.loop.tokens
         for e in batch.events:
             if type(e) is BlockStored and e.block_size > 0:
@@ -70,6 +77,8 @@ class ControlledSidecar(Sidecar):
             self.ingestor.index, registry=self.registry, state_dir=settings.state_dir, mode=settings.mode,
             actuators=acts, tracer=make_tracer(self.tracer_provider), clock=self.clock,
             api_token=settings.api_token, engine_url=engine_url, engine_model=model, http=self.client,
+            placement_policy=None if settings.policy == "none" else settings.policy,
+            placement_tier=settings.policy_tier,
         )  # fmt: skip
         self.plane.http = None  # the sidecar owns the shared client
         if isinstance(self.ingestor, ControlIngestor):

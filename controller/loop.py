@@ -40,11 +40,12 @@ from kvtier.controller.decisions import Decision, DecisionLog, score
 from kvtier.controller.decisions import Outcome as DecisionOutcome
 from kvtier.controller.metrics import ControllerMetrics
 from kvtier.controller.pins import PinSet
+from kvtier.controller.placement import PolicyPlacement
 from kvtier.controller.policy_doc import PolicyDoc
 from kvtier.controller.predict import HeuristicPredictor, ReusePredictor
 from kvtier.controller.tokens import TokenStore
 from kvtier.policies.index import BlockIndex
-from kvtier.policies.planner import BlockView, Move, Plan, Planner
+from kvtier.policies.planner import BlockView, Move, Plan, Planner, tier_bit
 from kvtier.policies.tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ class ReconcileLoop:
         index_ms_per_s: float = 1000.0,
         max_score_per_tick: int = 20_000,
         assume_admittable: bool = False,
+        placement: PolicyPlacement | None = None,
     ) -> None:
         self.index = index
         self.policy = policy
@@ -149,6 +151,12 @@ class ReconcileLoop:
         self.max_score_per_tick = max_score_per_tick
         self.assume_admittable = assume_admittable  # replay: any block can be re-created (recompute)
         self.planner = Planner(policy.planner_config())
+        # the placement policy object (``--policy``): fed the inferred requests, its resident set is the
+        # desired placement of its tier, its predictor gives P(reuse) (the ``predictor`` is the fallback)
+        self.placement = placement
+        self._desired: npt.NDArray[np.bool_] | None = None
+        self._policy_rows: npt.NDArray[np.int64] = np.zeros(0, np.int64)
+        self._quality_at = -1  # policy retrains count when kvtier_predictor_auc was last set
         self.pinned_at_layer: set[int] = set()
         self.tick_no = 0
         self.last: TickReport | None = None
@@ -179,6 +187,19 @@ class ReconcileLoop:
         self.planner.reconfigure(doc.planner_config())
         if isinstance(self.fallback, HeuristicPredictor):
             self.fallback.tau_ms = doc.predictor.tau_s * 1000.0
+        if self.placement is not None:
+            cap = self.placement_capacity(doc)
+            if cap is not None:
+                self.placement.resize(cap)
+
+    def placement_capacity(self, doc: PolicyDoc | None = None) -> int | None:
+        """Blocks of the placement policy's tier in the policy document (None: tier not managed)."""
+        if self.placement is None:
+            return None
+        for t in (doc or self.policy).tiers:
+            if t.tier is self.placement.tier:
+                return t.capacity_blocks
+        return None
 
     def wake(self) -> None:
         """Ask for an early tick (KV events call this; they never carry state into the loop)."""
@@ -235,6 +256,13 @@ class ReconcileLoop:
     def _run_phases(self, now: float, rep: TickReport) -> None:
         self.pins.expire(now)
         if self.policy.mode == "off":
+            pl = self._placement_or_none()
+            if pl is not None:  # observe only: the policy keeps learning from the traffic
+                try:
+                    pl.observe()
+                except Exception as exc:  # noqa: BLE001
+                    pl.errors += 1
+                    self._fallback(rep, "policy", "no_placement", exc)
             with self._phase("score"):
                 self._score(now)
             return
@@ -245,6 +273,7 @@ class ReconcileLoop:
             except Exception as exc:  # noqa: BLE001
                 self._fallback(rep, "observe", "no_action", exc)
                 return
+            self._observe_policy(view, rep)
         with self._phase("predict"):
             p = self._predict(n, now, rep)
             if p is None:
@@ -268,6 +297,8 @@ class ReconcileLoop:
                     pins=self.pins.block_map(now),
                     pinned_at_layer=self.pinned_at_layer,
                     pin_admittable=pin_tokens.keys(),
+                    desired=None if self._desired is None or self.placement is None
+                    else {self.placement.tier: self._desired},
                 )
             except Exception as exc:  # noqa: BLE001
                 self._fallback(rep, "plan", "no_action", exc)
@@ -310,7 +341,73 @@ class ReconcileLoop:
         )
         return view, n
 
+    def _observe_policy(self, view: BlockView, rep: TickReport) -> None:
+        """Feed the requests inferred since the last tick to the placement policy; take its resident set
+        as the desired placement of its tier. A failing policy: no desired placement this tick (counted)."""
+        pl = self._placement_or_none()
+        self._desired = None
+        self._policy_rows = np.zeros(0, np.int64)
+        if pl is None:
+            return
+        try:
+            self._fault("policy")
+            reqs = pl.observe()
+            lookup = view.lookup or self.index.slot_of
+            n = len(view)
+            want = pl.desired_mask(n, lookup)
+            touched = {b for r in reqs for b in r.hash_ids.tolist()}
+            trows = np.fromiter((lookup(b) for b in touched), np.int64, len(touched))
+            here = np.flatnonzero(view.tier_mask & np.uint8(tier_bit(pl.tier)))
+            rows = np.concatenate([np.flatnonzero(want), here, trows[(trows >= 0) & (trows < n)]])
+            self._policy_rows = np.unique(rows)
+            self._desired = want
+        except Exception as exc:  # noqa: BLE001 - a policy bug must not kill the tick
+            pl.errors += 1
+            self._fallback(rep, "policy", "no_placement", exc)
+
+    def _placement_or_none(self) -> PolicyPlacement | None:
+        pl = self.placement
+        if pl is None or self.placement_capacity() is None:
+            return None
+        return pl
+
+    def _policy_p(self, p: npt.NDArray[np.float32], now: float, rep: TickReport) -> npt.NDArray[np.float32]:
+        """Overwrite P(reuse) with the placement policy's own where it can score (rows it placed, rows in
+        its tier, blocks requested since the last tick); the fallback predictor keeps the rest."""
+        pl = self._placement_or_none()
+        rows = self._policy_rows
+        if pl is None or rows.size == 0:
+            return p
+        try:
+            q = pl.reuse_probability(self.index.hash[rows], now * 1000.0)
+        except Exception as exc:  # noqa: BLE001
+            self._fallback(rep, "predict", rep.predictor or "heuristic", exc)
+            return p
+        if q is None:
+            return p
+        ok = np.isfinite(q)
+        if ok.any():
+            p = p.copy()
+            p[rows[ok]] = q[ok].astype(np.float32)
+            rep.predictor = f"policy:{pl.name}+{rep.predictor}"
+        self._policy_quality_metric(pl)
+        return p
+
+    def _policy_quality_metric(self, pl: PolicyPlacement) -> None:
+        """``kvtier_predictor_auc`` = the policy's own out-of-sample AUC, refreshed after its refits."""
+        n = int(getattr(pl.policy, "_n_retrains", 0))
+        if n == self._quality_at:
+            return
+        self._quality_at = n
+        q = pl.quality()
+        if q and q.get("auc") is not None:
+            self.metrics.predictor_auc.set(float(q["auc"]))
+
     def _predict(self, n: int, now: float, rep: TickReport) -> npt.NDArray[np.float32] | None:
+        p = self._predict_fallback(n, now, rep)
+        return None if p is None else self._policy_p(p, now, rep)
+
+    def _predict_fallback(self, n: int, now: float, rep: TickReport) -> npt.NDArray[np.float32] | None:
         now_ms = now * self.index_ms_per_s
         try:
             self._fault("predict")
@@ -547,6 +644,7 @@ class ReconcileLoop:
             "shadow": self.decisions.report.to_dict(),
             "errors": dict(self.errors),
             "predictor": self.predictor.info(),
+            "placement": self.placement.info() if self.placement is not None else None,
             "planner": {"budgets": self.planner.budget_state()},
         }
 

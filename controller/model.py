@@ -119,59 +119,70 @@ class ModelManager:
             self.snapshot()
 
     def retrain(self) -> dict[str, Any]:
-        """Fit on the current snapshot's labels; persist; swap into the loop; start a new snapshot."""
+        """Refit the placement policy's own model (``learned``) and the fallback index model; persist the
+        latter, swap it into the loop, start a new snapshot. NotTrainable when neither had enough labels."""
+        with self._lock:
+            pl = self.loop.placement
+            policy_fit = pl.retrain() if pl is not None else False
+            try:
+                self._retrain_index_model()
+            except self.NotTrainable:
+                if not policy_fit:
+                    raise
+            return self.info()
+
+    def _retrain_index_model(self) -> None:
+        """Fit the fallback model (logistic regression over index features) on the snapshot's labels."""
         from sklearn.linear_model import LogisticRegression
 
-        with self._lock:
-            snap = self._snap
-            if snap is None:
-                self.snapshot()
-                raise self.NotTrainable(
-                    "no feature snapshot yet: one was taken now; retrain after the reuse horizon has passed"
-                )
-            idx = self.loop.index
-            still = idx.hash[snap.slots] == snap.hashes  # slot not reclaimed since
-            y = (idx.freq[snap.slots] > snap.freq) & still
-            x = snap.x[still]
-            y = y[still]
-            if y.size < self.min_samples or y.all() or not y.any():
-                raise self.NotTrainable(
-                    f"need >= {self.min_samples} labelled blocks of both classes, have "
-                    f"{int(y.size)} ({int(y.sum())} came back)"
-                )
-            rng = np.random.default_rng(self.loop.policy.predictor.seed)
-            perm = rng.permutation(y.size)
-            cut = max(1, int(0.8 * y.size))
-            tr, te = perm[:cut], perm[cut:]
-            clf = LogisticRegression(max_iter=200, random_state=self.loop.policy.predictor.seed)
-            clf.fit(x[tr], y[tr])
-            pte = clf.predict_proba(x[te])[:, 1] if te.size else np.zeros(0)
-            auc = roc_auc(y[te], pte) if te.size else None
-            brier = brier_score(y[te], pte) if te.size else None
-            rel = reliability(y[te], pte) if te.size else []
-            info = {
-                "kind": "logistic-index",
-                "features": list(FEATURES),
-                "trained": True,
-                "training_samples": int(tr.size),
-                "test_samples": int(te.size),
-                "positive_rate": float(y.mean()),
-                "auc": auc,
-                "brier": brier,
-                "calibration": rel,
-                "snapshot_at_ms": snap.at_ms,
-                "trained_at_s": self.loop.clock(),
-                "seed": self.loop.policy.predictor.seed,
-            }
-            pred = LogisticReusePredictor(clf.coef_[0].astype(np.float32), float(clf.intercept_[0]), info)
-            buf = io.BytesIO()
-            pickle.dump({"coef": pred.coef, "intercept": pred.intercept}, buf)
-            self.version = self.store.save_model(info, buf.getvalue())
-            info["version"] = self.version
-            pred.meta = info
-            self._install(pred, info)
+        snap = self._snap
+        if snap is None:
             self.snapshot()
-            return self.info()
+            raise self.NotTrainable(
+                "no feature snapshot yet: one was taken now; retrain after the reuse horizon has passed"
+            )
+        idx = self.loop.index
+        still = idx.hash[snap.slots] == snap.hashes  # slot not reclaimed since
+        y = (idx.freq[snap.slots] > snap.freq) & still
+        x = snap.x[still]
+        y = y[still]
+        if y.size < self.min_samples or y.all() or not y.any():
+            raise self.NotTrainable(
+                f"need >= {self.min_samples} labelled blocks of both classes, have "
+                f"{int(y.size)} ({int(y.sum())} came back)"
+            )
+        rng = np.random.default_rng(self.loop.policy.predictor.seed)
+        perm = rng.permutation(y.size)
+        cut = max(1, int(0.8 * y.size))
+        tr, te = perm[:cut], perm[cut:]
+        clf = LogisticRegression(max_iter=200, random_state=self.loop.policy.predictor.seed)
+        clf.fit(x[tr], y[tr])
+        pte = clf.predict_proba(x[te])[:, 1] if te.size else np.zeros(0)
+        auc = roc_auc(y[te], pte) if te.size else None
+        brier = brier_score(y[te], pte) if te.size else None
+        rel = reliability(y[te], pte) if te.size else []
+        info = {
+            "kind": "logistic-index",
+            "features": list(FEATURES),
+            "trained": True,
+            "training_samples": int(tr.size),
+            "test_samples": int(te.size),
+            "positive_rate": float(y.mean()),
+            "auc": auc,
+            "brier": brier,
+            "calibration": rel,
+            "snapshot_at_ms": snap.at_ms,
+            "trained_at_s": self.loop.clock(),
+            "seed": self.loop.policy.predictor.seed,
+        }
+        pred = LogisticReusePredictor(clf.coef_[0].astype(np.float32), float(clf.intercept_[0]), info)
+        buf = io.BytesIO()
+        pickle.dump({"coef": pred.coef, "intercept": pred.intercept}, buf)
+        self.version = self.store.save_model(info, buf.getvalue())
+        info["version"] = self.version
+        pred.meta = info
+        self._install(pred, info)
+        self.snapshot()
 
     def _install(self, pred: LogisticReusePredictor, info: dict[str, Any]) -> None:
         self._info = info
@@ -179,7 +190,7 @@ class ModelManager:
             self.loop.predictor = pred
         self._pred = pred
         m = self.loop.metrics
-        if info.get("auc") is not None:
+        if info.get("auc") is not None and self.policy_quality() is None:
             m.predictor_auc.set(float(info["auc"]))
         m.predictor_samples.set(float(info.get("training_samples", 0)))
 
@@ -196,7 +207,42 @@ class ModelManager:
         self._install(LogisticReusePredictor(np.asarray(d["coef"]), float(d["intercept"]), info), info)
         return True
 
+    def policy_quality(self) -> dict[str, Any] | None:
+        """The placement policy's own out-of-sample quality (``learned``), or None."""
+        pl = self.loop.placement
+        return pl.quality() if pl is not None else None
+
     def info(self) -> dict[str, Any]:
+        out = self._index_info()
+        pl = self.loop.placement
+        q = self.policy_quality()
+        if pl is None:
+            return out
+        out["policy"] = pl.info()
+        if q is None:
+            return out
+        # the policy's predictor is the live one; the index model is its fallback
+        out["fallback_model"] = {k: out[k] for k in ("predictor", "version", "trained", "training_samples",
+                                                     "auc", "brier", "calibration")}  # fmt: skip
+        if q.get("auc") is not None:
+            self.loop.metrics.predictor_auc.set(float(q["auc"]))
+        out.update(
+            predictor=f"policy:{pl.name}",
+            trained=bool(q.get("trained")),
+            retrains=q.get("retrains", 0),
+            training_samples=q.get("scored_accesses", 0),
+            auc=q.get("auc"),
+            auc_first_touch=q.get("auc_first_touch"),
+            auc_retouched=q.get("auc_retouched"),
+            fallback_auc=q.get("fallback_auc"),
+            brier=q.get("brier"),
+            calibration=q.get("reliability", []),
+            beat_fallback_rate=q.get("beat_fallback_rate"),
+            quality=q,
+        )
+        return out
+
+    def _index_info(self) -> dict[str, Any]:
         live = self.loop.predictor
         out: dict[str, Any] = {
             "predictor": live.name,

@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from opentelemetry.trace import Tracer
 from prometheus_client import CollectorRegistry
 
+from kvtier.collectors.kv_requests import RequestInferrer
 from kvtier.controller.actuators.base import Actuator
 from kvtier.controller.api import ControlContext, add_control_routes, engine_tokenizer
 from kvtier.controller.decisions import DecisionLog
@@ -27,10 +28,12 @@ from kvtier.controller.loop import ReconcileLoop
 from kvtier.controller.metrics import ControllerMetrics
 from kvtier.controller.model import ModelManager
 from kvtier.controller.pins import PinSet
+from kvtier.controller.placement import PolicyPlacement
 from kvtier.controller.policy_doc import Mode, PolicyDoc
 from kvtier.controller.store import StateStore
 from kvtier.controller.tokens import TokenStore
 from kvtier.policies.index import BlockIndex
+from kvtier.policies.tiers import Tier, normalize_tier
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +149,13 @@ def build_control_plane(
     engine_model: str = "",
     http: httpx.AsyncClient | None = None,
     policy: PolicyDoc | None = None,
+    placement_policy: str | None = "learned",
+    placement_tier: Tier | str = Tier.CPU,
 ) -> ControlPlane:
-    """Restore persisted policy/pins/model from ``state_dir``; ``mode`` (CLI) overrides the stored mode."""
+    """Restore persisted policy/pins/model from ``state_dir``; ``mode`` (CLI) overrides the stored mode.
+
+    ``placement_policy``: registry name of the policy object that places ``placement_tier`` (capacity from
+    the policy document's tiers), fed requests inferred from KV events; None = index-only planning."""
     store = StateStore(state_dir)
     metrics = ControllerMetrics(registry, layers=[a.name for a in actuators])
     doc = policy or PolicyDoc()
@@ -175,8 +183,24 @@ def build_control_plane(
     if mode is not None:
         loop.set_policy((loop._pending_policy or loop.policy).model_copy(update={"mode": mode}))
     loop._commit_policy()
+    if placement_policy:
+        loop.placement = make_placement(loop, placement_policy, placement_tier, clock)
     models.maybe_snapshot()
     return ControlPlane(loop, ctx, store, http)
+
+
+def make_placement(
+    loop: ReconcileLoop, name: str, tier: Tier | str, clock: Callable[[], float]
+) -> PolicyPlacement:
+    """The ``--policy`` object for ``tier``, sized from the loop's policy document (0 while unmanaged)."""
+    t = normalize_tier(tier) if isinstance(tier, str) else tier
+    doc = loop.policy
+    cap = next((c.capacity_blocks for c in doc.tiers if c.tier is t), 0)
+    inferrer = RequestInferrer(clock=clock, block_size_tokens=doc.block_size_tokens)
+    try:
+        return PolicyPlacement(name, cap, tier=t, seed=doc.predictor.seed, inferrer=inferrer)
+    except KeyError as exc:
+        raise ValueError(f"--policy: {exc.args[0]}") from exc
 
 
 def create_control_app(plane: ControlPlane, registry: CollectorRegistry) -> FastAPI:

@@ -19,6 +19,10 @@ def serve(
     actuator: list[str] = typer.Option(None, "--actuator", help="shadow|vllm-warmup|lmcache-mp (repeat)."),
     state_dir: Path = typer.Option(None, "--state-dir", help="Policy/pins/model kept here [.kvtier-state]."),
     log_json: bool = typer.Option(None, "--log-json", help="JSON-lines logs."),
+    policy: str = typer.Option(
+        None, "--policy", help="Placement policy: a registry name (lru, s3fifo, ...) or none [learned]."
+    ),
+    policy_tier: str = typer.Option(None, "--policy-tier", help="Tier that policy places [cpu]."),
 ) -> None:
     """Watch vLLM (metrics + KV events), cache layers and storage; serve /metrics, /v1/status, /readyz;
     run the reconcile loop and the policy API (/v1/policy, /v1/pins, /v1/decisions, ...; OpenAPI at /docs)."""
@@ -33,7 +37,8 @@ def serve(
         settings = load_settings(
             config, engine_urls=engine_url or None, lmcache_urls=lmcache_url or None,
             mooncake_urls=mooncake_url or None, listen=listen, mode=mode, actuators=actuator or None,
-            state_dir=str(state_dir) if state_dir else None, log_json=log_json,
+            state_dir=str(state_dir) if state_dir else None, log_json=log_json, policy=policy,
+            policy_tier=policy_tier,
         )  # fmt: skip
         host, port = settings.listen_host_port
         configure_logging(settings.log_level, json_lines=settings.log_json)

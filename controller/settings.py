@@ -52,6 +52,8 @@ class Settings(BaseSettings):
     warmup_tokens_per_s: float = Field(default=4096.0, gt=0)  # vllm-warmup budget: prompt tokens per second
     warmup_requests_per_s: float = Field(default=4.0, gt=0)  # vllm-warmup budget: requests per second
     log_json: bool = False  # structured JSON-lines logs
+    policy: str = "learned"  # placement policy object (registry name; "none" = index-only planning)
+    policy_tier: str = "cpu"  # the tier that policy places (capacity from /v1/policy tiers)
     # per-actuator factory options, e.g. {"mooncake": {"admin_url": ..., "master_addr": ...}}
     actuator_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
 

@@ -108,6 +108,7 @@ class LearnedPolicy(Policy):
         self._windows = 0
         self._windows_beat = 0
         self._n_retrains = 0
+        self._last_now = 0.0  # time of the last request served, ms
 
     # ----------------------------------------------------------------- state helpers
     def _grow(self, need: int) -> None:
@@ -166,6 +167,7 @@ class LearnedPolicy(Policy):
 
     def access(self, req: Request) -> HitMask:
         now = float(req.timestamp_ms)
+        self._last_now = now
         ids = np.asarray(req.hash_ids, dtype=_I64)
         n = ids.shape[0]
         self._requests += 1
@@ -276,6 +278,39 @@ class LearnedPolicy(Policy):
     def _maybe_retrain(self, now: float) -> None:
         if self._requests % self.retrain_every != 0:
             return
+        self._retrain(now)
+
+    def retrain(self, now_ms: float | None = None) -> bool:
+        """Score and refit now (normally every ``retrain_every`` requests), as of ``now_ms`` (default: the
+        last request's time). Causal like the periodic refit. Returns whether a model was fitted."""
+        before = self._n_retrains
+        self._retrain(self._last_now if now_ms is None else max(float(now_ms), self._last_now))
+        return self._n_retrains > before
+
+    def reuse_probability(
+        self, block_ids: npt.ArrayLike, now_ms: float | None = None
+    ) -> npt.NDArray[np.float64]:
+        """P(block accessed again within the horizon) as of ``now_ms`` (default: the last request's time),
+        per id: the log-odds ``f(x) - age / tau`` of the block's last access. NaN where the policy cannot
+        score (never seen, or its last access fell out of the event ring)."""
+        ids = np.asarray(block_ids, dtype=_I64).ravel()
+        out = np.full(ids.shape[0], np.nan)
+        if ids.size == 0:
+            return out
+        get = self._slot.get
+        slots = np.fromiter((get(b, -1) for b in ids.tolist()), _I64, ids.shape[0])
+        ev = np.where(slots >= 0, self._last_event[np.maximum(slots, 0)], -1)
+        ok = (ev >= 0) & (ev > self._n_events - self._E)
+        if not ok.any():
+            return out
+        x = self._ev_x[ev[ok] % self._E].astype(np.float64)
+        z = self.model.predict_logit(x) if self.model.trained else fallback_logit(x)
+        now = self._last_now if now_ms is None else float(now_ms)
+        age_s = np.maximum(0.0, now - self._last_ms[slots[ok]]) / 1000.0
+        out[ok] = sigmoid(z - age_s / (self.tau_s * self._real.mult))
+        return out
+
+    def _retrain(self, now: float) -> None:
         lo, hi = self._labelled_range(now - self.horizon_ms)
         if hi > lo:
             self._score_quality(max(lo, self._evaluated_upto), hi)

@@ -296,12 +296,18 @@ class Planner:
         pinned_at_layer: Collection[int] = (),
         pin_admittable: Collection[int] = (),
         allowed: Collection[str] | None = None,
+        desired: Mapping[Tier, npt.NDArray[np.bool_]] | None = None,
     ) -> Plan:
         """Plan this tick's moves.
 
         ``pins``: block -> tier it must stay in (or faster). ``pinned_at_layer``: pins the cache layer already
         acknowledged (no ``pin`` action needed). ``pin_admittable``: pinned blocks not in ``view`` whose
         tokens are known (they can be admitted). ``allowed``: actions to consider (None = all).
+        ``desired``: tier -> per-row mask of the blocks a placement policy holds there. Such a tier is not
+        run on watermarks and value: its moves are the diff of the mask against the observed placement
+        (with in-flight moves assumed done, so no ping-pong guard beyond the policy's own): rows held but
+        absent are admitted / promoted, rows present but not held are evicted (another copy exists) or
+        demoted one managed tier down (never the last copy). Pins still win; link budgets still apply.
         """
         cfg = self.config
         pins = pins or {}
@@ -340,6 +346,12 @@ class Planner:
             bit = tier_bit(spec.tier)
             count = int(np.count_nonzero(tier_mask & bit))
             plan.tier_usage[spec.tier.value] = count
+            if desired is not None and spec.tier in desired:
+                room[spec.tier] = 0  # the policy fills it: no value-based fill below
+                candidates.extend(
+                    self._plan_desired(view, i, desired[spec.tier], tier_mask, pins, pinned_rows, val, plan)
+                )
+                continue
             cap = spec.capacity_blocks
             high, low = int(spec.high_watermark * cap), int(spec.low_watermark * cap)
             if count <= high:
@@ -457,6 +469,62 @@ class Planner:
             bk.bytes -= m.nbytes
             plan.moves.append(m)
         return plan
+
+    def _plan_desired(
+        self,
+        view: BlockView,
+        i: int,
+        want: npt.NDArray[np.bool_],
+        tier_mask: npt.NDArray[np.uint8],
+        pins: Mapping[int, Tier],
+        pinned_rows: npt.NDArray[np.bool_],
+        val: Callable[[npt.NDArray[np.intp], int | npt.NDArray[np.int8]], npt.NDArray[np.float64]],
+        plan: Plan,
+    ) -> list[tuple[int, float, Move]]:
+        """Moves that make tier ``specs[i]`` equal to ``want`` (see :meth:`plan`), as planner candidates."""
+        specs = self.config.tiers
+        spec = specs[i]
+        bit = tier_bit(spec.tier)
+        here = (tier_mask & bit) != 0
+        out: list[tuple[int, float, Move]] = []
+        # drop what the policy no longer holds, lowest value first
+        shed = np.flatnonzero(here & ~want)
+        if pins and shed.size:
+            keep = np.zeros(shed.size, np.bool_)
+            for j in np.flatnonzero(pinned_rows[shed]).tolist():
+                keep[j] = pins.get(int(view.hashes[shed[j]]), Tier.REMOTE).rank >= spec.tier.rank
+            plan.held["pinned"] += int(keep.sum())
+            shed = shed[~keep]
+        if shed.size:
+            v_here = val(shed, spec.tier.rank)
+            nxt = specs[i + 1].tier if i + 1 < len(specs) else None
+            v_next = val(shed, nxt.rank) if nxt is not None else np.zeros(shed.size)
+            other = tier_mask[shed] & ~np.uint8(bit)
+            for j, r in enumerate(shed.tolist()):
+                h, nb = int(view.hashes[r]), int(view.nbytes[r])
+                if other[j]:
+                    m = Move("evict", h, spec.tier, None, -float(v_here[j]), nb)
+                elif nxt is not None:
+                    m = Move("demote", h, spec.tier, nxt, -float(v_here[j] - v_next[j]), nb)
+                else:
+                    plan.held["last_copy"] += 1
+                    continue
+                out.append((1, -m.value_s, m))
+        # add what it holds: promote from a slower copy, else admit (stored from the engine / recomputed)
+        fill = np.flatnonzero(want & ~here & ~pinned_rows)
+        if fill.size:
+            slower = tier_mask[fill] & np.uint8(~((bit << 1) - 1) & 0xFF)
+            src_rank = _FIRST_RANK[slower]
+            gain = val(fill, spec.tier.rank) - val(fill, src_rank)
+            for j, r in enumerate(fill.tolist()):
+                sr = int(src_rank[j])
+                src = TIER_ORDER[sr] if sr < len(TIER_ORDER) else None
+                action: Action = "promote" if spec.tier is not Tier.GPU else "prefetch"
+                if src is None:
+                    action = "admit"
+                m = Move(action, int(view.hashes[r]), src, spec.tier, float(gain[j]), int(view.nbytes[r]))
+                out.append((2, -m.value_s, m))
+        return out
 
     def _ops_cap(self) -> int:
         """Most moves any one link could afford in a tick (bounds the candidates materialised per tier)."""

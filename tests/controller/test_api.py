@@ -26,12 +26,17 @@ class Clock:
 
 
 def plane(
-    tmp: Path, token: str | None = TOKEN, index: BlockIndex | None = None, clock: Clock | None = None
+    tmp: Path,
+    token: str | None = TOKEN,
+    index: BlockIndex | None = None,
+    clock: Clock | None = None,
+    placement_policy: str | None = "learned",
 ) -> tuple[ControlPlane, TestClient]:
     reg = CollectorRegistry()
     p = build_control_plane(
-        index or BlockIndex(), registry=reg, state_dir=tmp, api_token=token, clock=clock or Clock()
-    )
+        index or BlockIndex(), registry=reg, state_dir=tmp, api_token=token, clock=clock or Clock(),
+        placement_policy=placement_policy,
+    )  # fmt: skip
     return p, TestClient(create_control_app(p, reg))
 
 
@@ -143,7 +148,8 @@ def test_policy_pins_and_model_persist_across_restart(tmp_path: Path) -> None:
     clock = Clock()
     for h in range(1, 301):
         idx.store(h, None, Tier.GPU, t=(clock.t - 400 + h) * 1000)
-    p, c = plane(tmp_path, index=idx, clock=clock)
+    # index-only planning: the index-trained model is the live predictor (no placement policy object)
+    p, c = plane(tmp_path, index=idx, clock=clock, placement_policy=None)
     assert c.patch("/v1/policy", json={"mode": "active", "hysteresis_s": 12}, headers=AUTH).status_code == 200
     assert (
         c.post("/v1/pins", json={"token_ids": list(range(64)), "tier": "cpu"}, headers=AUTH).status_code
@@ -160,7 +166,7 @@ def test_policy_pins_and_model_persist_across_restart(tmp_path: Path) -> None:
     assert info["auc"] is not None and info["calibration"]
     p.store.close()
     # restart: a fresh plane on the same state dir
-    p2, c2 = plane(tmp_path, index=idx, clock=clock)
+    p2, c2 = plane(tmp_path, index=idx, clock=clock, placement_policy=None)
     assert c2.get("/v1/policy").json()["hysteresis_s"] == 12 and p2.loop.policy.mode == "active"
     pins = c2.get("/v1/pins").json()["pins"]
     assert len(pins) == 1 and pins[0]["tier"] == "cpu" and pins[0]["num_tokens"] == 64
