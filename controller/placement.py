@@ -38,10 +38,12 @@ class PolicyPlacement:
         self.policy = policy if policy is not None else get_policy(name, capacity_blocks, seed=seed)
         if self.policy.offline:
             raise ValueError(f"policy {name!r} needs the future (replay only); pick an online policy")
-        self.requests = inferrer or RequestInferrer()
+        self.requests = inferrer if inferrer is not None else RequestInferrer()
         self.desired: dict[int, None] = {}  # int64 block -> resident in the policy (insertion ordered)
         self.victims: list[int] = []  # drained evictions of the last observe, oldest first
-        self.served = 0
+        self.served = 0  # requests served
+        self.block_accesses = 0
+        self.block_hits = 0  # blocks resident in the policy's tier when requested
         self.errors = 0
 
     @property
@@ -63,7 +65,9 @@ class PolicyPlacement:
         self.victims = []
         pol, desired = self.policy, self.desired
         for req in reqs:
-            pol.access(req)
+            hit = pol.access(req)
+            self.block_accesses += int(hit.shape[0])
+            self.block_hits += int(np.count_nonzero(hit))
             ev = pol.drain_evicted()
             for v in ev:
                 desired.pop(v, None)
@@ -109,6 +113,8 @@ class PolicyPlacement:
             "capacity_blocks": self.policy.capacity_blocks,
             "resident_blocks": len(self.policy),
             "requests_served": self.served,
+            "block_accesses": self.block_accesses,
+            "block_hits": self.block_hits,
             "requests_pending": len(self.requests),
             "inferred": dict(self.requests.counts),
             "errors": self.errors,

@@ -4,6 +4,11 @@ The trace drives an emulated engine (a GPU prefix cache with LRU eviction, the v
 feeds the real :class:`BlockIndex`; the real :class:`ReconcileLoop` ticks in ``shadow`` mode on the trace's
 clock, so every decision is recorded and later scored counterfactually (did the block come back within the
 horizon, i.e. would the move have produced a hit). Nothing is actuated.
+
+Each trace request is also queued, as is, to the loop's placement policy object (``policy_name``, the same
+path KV-event-inferred requests take live: :class:`~kvtier.controller.placement.PolicyPlacement`), which
+places the CPU tier. The CPU tier is emulated too: its planned moves are applied to the index as a cache
+layer would report them, so the level-based diff sees its own effect.
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from kvtier.controller.loop import ReconcileLoop
+from kvtier.controller.loop import ReconcileLoop, TickReport
 from kvtier.controller.metrics import ControllerMetrics
 from kvtier.controller.policy_doc import PolicyDoc, TierConfig
+from kvtier.controller.runtime import make_placement
 from kvtier.policies.base import Request
 from kvtier.policies.index import BlockIndex
 from kvtier.policies.tiers import Tier
@@ -30,6 +36,7 @@ def run_shadow_replay(
     horizon_s: float = 120.0,
     cpu_blocks: int | None = None,
     policy: PolicyDoc | None = None,
+    policy_name: str | None = "learned",
 ) -> dict[str, Any]:
     """Replay ``requests`` (timestamps in ms) and return the shadow report plus baseline hit figures."""
     doc = policy or PolicyDoc(
@@ -59,6 +66,8 @@ def run_shadow_replay(
         clock=lambda: now[0],
         assume_admittable=True,
     )
+    if policy_name:
+        loop.placement = make_placement(loop, policy_name, Tier.CPU, lambda: now[0])
     lru: OrderedDict[int, None] = OrderedDict()
     hits = misses = 0
     next_tick = now[0]
@@ -66,9 +75,11 @@ def run_shadow_replay(
         t = req.timestamp_ms / 1000.0
         while next_tick <= t:
             now[0] = next_tick
-            loop.tick()
+            _emulate_cpu_layer(idx, loop.tick())
             next_tick += tick_s
         now[0] = t
+        if loop.placement is not None:
+            loop.placement.requests.submit(req)
         ids = req.hash_ids.tolist()
         idx.access_chain(ids, req.timestamp_ms)
         parent: int | None = None
@@ -107,5 +118,17 @@ def run_shadow_replay(
         "regrets": rep.regrets,
         "net_gain_blocks": rep.hits_gained - rep.regrets,
         "tokens_per_block": tokens,
+        "placement": loop.placement.info() if loop.placement is not None else None,
         "loop": loop,
     }
+
+
+def _emulate_cpu_layer(idx: BlockIndex, rep: TickReport) -> None:
+    """Apply the tick's CPU-tier moves to the index, as the cache layer's events would report them."""
+    for m in rep.plan.moves if rep.plan is not None else ():
+        if m.action in ("admit", "promote") and m.dst is Tier.CPU:
+            idx.store(m.block, None, Tier.CPU)
+        elif m.action in ("evict", "demote") and m.src is Tier.CPU:
+            idx.remove(m.block, Tier.CPU)
+            if m.dst is not None:
+                idx.store(m.block, None, m.dst)
