@@ -354,11 +354,12 @@ class ReconcileLoop:
             reqs = pl.observe()
             lookup = view.lookup or self.index.slot_of
             n = len(view)
-            want = pl.desired_mask(n, lookup)
+            want = pl.desired_mask(view.hashes, lookup)
             touched = {b for r in reqs for b in r.hash_ids.tolist()}
             trows = np.fromiter((lookup(b) for b in touched), np.int64, len(touched))
-            here = np.flatnonzero(view.tier_mask & np.uint8(tier_bit(pl.tier)))
-            rows = np.concatenate([np.flatnonzero(want), here, trows[(trows >= 0) & (trows < n)]])
+            here = (view.tier_mask & np.uint8(tier_bit(pl.tier))) != 0
+            # scored by the policy: the rows its diff moves, and the blocks just requested
+            rows = np.concatenate([np.flatnonzero(want ^ here), trows[(trows >= 0) & (trows < n)]])
             self._policy_rows = np.unique(rows)
             self._desired = want
         except Exception as exc:  # noqa: BLE001 - a policy bug must not kill the tick
@@ -372,8 +373,8 @@ class ReconcileLoop:
         return pl
 
     def _policy_p(self, p: npt.NDArray[np.float32], now: float, rep: TickReport) -> npt.NDArray[np.float32]:
-        """Overwrite P(reuse) with the placement policy's own where it can score (rows it placed, rows in
-        its tier, blocks requested since the last tick); the fallback predictor keeps the rest."""
+        """Overwrite P(reuse) with the placement policy's own where it can score (the rows its diff moves,
+        blocks requested since the last tick); the fallback predictor keeps the rest."""
         pl = self._placement_or_none()
         rows = self._policy_rows
         if pl is None or rows.size == 0:

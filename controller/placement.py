@@ -39,7 +39,7 @@ class PolicyPlacement:
         if self.policy.offline:
             raise ValueError(f"policy {name!r} needs the future (replay only); pick an online policy")
         self.requests = inferrer if inferrer is not None else RequestInferrer()
-        self.desired: dict[int, None] = {}  # int64 block -> resident in the policy (insertion ordered)
+        self.desired: dict[int, int] = {}  # int64 block held by the policy -> index row (cached; -1 unknown)
         self.victims: list[int] = []  # drained evictions of the last observe, oldest first
         self.served = 0  # requests served
         self.block_accesses = 0
@@ -73,19 +73,33 @@ class PolicyPlacement:
                 desired.pop(v, None)
             self.victims.extend(ev)
             for b in req.hash_ids.tolist():
-                if pol.contains(b):
-                    desired[b] = None
+                if b not in desired and pol.contains(b):
+                    desired[b] = -1
             self.served += 1
         return reqs
 
-    def desired_mask(self, n: int, lookup: Callable[[int], int]) -> npt.NDArray[np.bool_]:
-        """Per index row (``lookup``: block -> row, -1 if untracked): does the policy hold this block (the
-        desired placement of :attr:`tier`)? Blocks the index does not track cannot be placed: skipped."""
+    def desired_mask(
+        self, hashes: npt.NDArray[np.int64], lookup: Callable[[int], int]
+    ) -> npt.NDArray[np.bool_]:
+        """Per index row (``hashes``: row -> block, ``lookup``: block -> row or -1): does the policy hold
+        this block (the desired placement of :attr:`tier`)? Rows are cached per block and re-looked up
+        only when stale. Blocks the index does not track cannot be placed: skipped."""
+        n = hashes.shape[0]
         mask = np.zeros(n, np.bool_)
-        if self.desired:
-            rows = np.fromiter((lookup(b) for b in self.desired), np.int64, len(self.desired))
-            rows = rows[(rows >= 0) & (rows < n)]
-            mask[rows] = True
+        d = self.desired
+        if not d:
+            return mask
+        keys = np.fromiter(d.keys(), np.int64, len(d))
+        rows = np.fromiter(d.values(), np.int64, len(d))
+        ok = (rows >= 0) & (rows < n)
+        ok[ok] = hashes[rows[ok]] == keys[ok]
+        for j in np.flatnonzero(~ok).tolist():
+            k = int(keys[j])
+            r = lookup(k)
+            d[k] = r
+            rows[j] = r
+        rows = rows[(rows >= 0) & (rows < n)]
+        mask[rows] = True
         return mask
 
     def reuse_probability(

@@ -487,6 +487,7 @@ class Planner:
         bit = tier_bit(spec.tier)
         here = (tier_mask & bit) != 0
         out: list[tuple[int, float, Move]] = []
+        k_max = min(self.config.max_candidates_per_tier, self._ops_cap())  # per-tick bound (tick latency)
         # drop what the policy no longer holds, lowest value first
         shed = np.flatnonzero(here & ~want)
         if pins and shed.size:
@@ -497,6 +498,10 @@ class Planner:
             shed = shed[~keep]
         if shed.size:
             v_here = val(shed, spec.tier.rank)
+            if shed.size > k_max:
+                self._beyond(plan, "evict", shed.size - k_max)
+                take = _smallest(v_here, k_max)
+                shed, v_here = shed[take], v_here[take]
             nxt = specs[i + 1].tier if i + 1 < len(specs) else None
             v_next = val(shed, nxt.rank) if nxt is not None else np.zeros(shed.size)
             other = tier_mask[shed] & ~np.uint8(bit)
@@ -516,6 +521,10 @@ class Planner:
             slower = tier_mask[fill] & np.uint8(~((bit << 1) - 1) & 0xFF)
             src_rank = _FIRST_RANK[slower]
             gain = val(fill, spec.tier.rank) - val(fill, src_rank)
+            if fill.size > k_max:
+                self._beyond(plan, "admit", fill.size - k_max)
+                take = _largest(gain, k_max)
+                fill, gain, src_rank = fill[take], gain[take], src_rank[take]
             for j, r in enumerate(fill.tolist()):
                 sr = int(src_rank[j])
                 src = TIER_ORDER[sr] if sr < len(TIER_ORDER) else None
@@ -525,6 +534,12 @@ class Planner:
                 m = Move(action, int(view.hashes[r]), src, spec.tier, float(gain[j]), int(view.nbytes[r]))
                 out.append((2, -m.value_s, m))
         return out
+
+    @staticmethod
+    def _beyond(plan: Plan, action: str, n: int) -> None:
+        """``n`` qualified moves past the per-tick candidate bound: tried and deferred."""
+        plan.tried[action] += n
+        plan.deferred[action] += n
 
     def _ops_cap(self) -> int:
         """Most moves any one link could afford in a tick (bounds the candidates materialised per tier)."""
