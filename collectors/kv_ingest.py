@@ -38,6 +38,17 @@ from kvtier.policies.tiers import TIER_ORDER, Tier
 EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 _RANK = {t: i for i, t in enumerate(TIER_ORDER)}  # index accepts int ranks without name lookups
 _NONE = object()  # no run of removals yet (a medium can be None)
+_MEDIA: dict[str | None, tuple[Tier, int]] = {}  # event medium -> (tier, rank), memoised
+
+
+def _tier_rank(medium: str | None) -> tuple[Tier, int]:
+    x = _MEDIA.get(medium)
+    if x is None:
+        tier = tier_of(medium)
+        x = (tier, _RANK[tier])
+        if len(_MEDIA) < 1024:
+            _MEDIA[medium] = x
+    return x
 
 
 @dataclass(slots=True)
@@ -146,8 +157,7 @@ class KvIngestor:
 
     # ---- internals --------------------------------------------------------------------------------------
     def _store(self, held: dict[Tier, set[int]], c: SourceCounts, e: BlockStored, t_ms: float) -> None:
-        tier = tier_of(e.medium)
-        rank = _RANK[tier]
+        tier, rank = _MEDIA.get(e.medium) or _tier_rank(e.medium)
         mine, res = held[tier], self._res[tier]
         q = self._q
         hs = e.block_hashes
@@ -183,8 +193,7 @@ class KvIngestor:
     def _remove(
         self, held: dict[Tier, set[int]], c: SourceCounts, hs: list[int], medium: str | None, t_ms: float
     ) -> None:
-        tier = tier_of(medium)
-        rank = _RANK[tier]
+        tier, rank = _MEDIA.get(medium) or _tier_rank(medium)
         mine, res, extra = held[tier], self._res[tier], self._extra[tier]
         if len(hs) > 1:
             gone = set(hs)

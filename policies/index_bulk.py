@@ -39,64 +39,78 @@ class OpQueue:
     applies the columns first, then the tuples -- use one interface per queue.
     """
 
-    __slots__ = ("ops", "code", "key", "t", "pkey")
+    __slots__ = ("ops", "key", "segs", "pkey")
 
     def __init__(self) -> None:
         self.ops: list[tuple[int, int, int | None, int, float]] = []
-        self.code: list[int] = []  # op | rank << 3 (op: STORE .. TOUCH_CHAIN, _STORE_P, _STORE_C)
-        self.key: list[int] = []  # 64-bit keys, signed or unsigned
-        self.t: list[float] = []  # ms
+        self.key: list[int] = []  # 64-bit keys, signed or unsigned, one per operation
+        # runs of operations with one code and time: (index of the run's first op, op | rank << 3, t ms);
+        # op is STORE .. TOUCH_CHAIN, _STORE_P (parent in pkey) or _STORE_C (parent = the previous op's key)
+        self.segs: list[tuple[int, int, float]] = []
         self.pkey: list[int] = []  # parent keys of the _STORE_P ops, in order
 
     def __len__(self) -> int:
-        return len(self.code) + len(self.ops)
+        return len(self.key) + len(self.ops)
 
     def clear(self) -> None:
         self.ops.clear()
-        self.code.clear()
         self.key.clear()
-        self.t.clear()
+        self.segs.clear()
         self.pkey.clear()
 
     def add(self, op: int, key: int, parent: int | None, rank: int, t: float) -> None:
         """One operation (``parent`` only for STORE)."""
         if op == STORE and parent is not None:
-            self.code.append(_STORE_P | rank << 3)
+            op = _STORE_P
             self.pkey.append(parent)
-        else:
-            self.code.append(op | rank << 3)
+        self.segs.append((len(self.key), op | rank << 3, t))
         self.key.append(key)
-        self.t.append(t)
 
     def add_many(self, op: int, keys: list[int], rank: int, t: float) -> None:
         """One REMOVE / TOUCH / TOUCH_CHAIN (or parentless STORE) for each of ``keys``, in order."""
-        n = len(keys)
-        self.code.extend(repeat(op | rank << 3, n))
+        self.segs.append((len(self.key), op | rank << 3, t))
         self.key += keys
-        self.t.extend(repeat(t, n))
 
     def store_chain(self, keys: list[int], parent: int | None, rank: int, t: float) -> None:
         """STORE ``keys`` in order, each the child of the previous one (``keys[0]`` that of ``parent``)."""
-        n = len(keys)
-        if not n:
+        if not keys:
             return
         c = rank << 3
+        i = len(self.key)
         if parent is None:
-            self.code.append(STORE | c)
+            self.segs.append((i, STORE | c, t))
         else:
-            self.code.append(_STORE_P | c)
+            self.segs.append((i, _STORE_P | c, t))
             self.pkey.append(parent)
-        if n > 1:
-            self.code.extend(repeat(_STORE_C | c, n - 1))
+        if len(keys) > 1:
+            self.segs.append((i + 1, _STORE_C | c, t))
         self.key += keys
-        self.t.extend(repeat(t, n))
+
+    def columns(self) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.float64]]:
+        """Per-operation code (op | rank << 3) and time (ms) arrays of the column ops."""
+        n = len(self.key)
+        if not self.segs:
+            return np.empty(0, dtype=np.int8), np.empty(0, dtype=np.float64)
+        start, code, t = zip(*self.segs, strict=True)
+        st = np.array(start, dtype=np.int64)
+        ln = np.diff(st, append=n)
+        keep = ln > 0  # an empty run (add_many of no keys) must not shift the others
+        if not keep.all():
+            st, ln = st[keep], ln[keep]
+            code = tuple(np.array(code)[keep].tolist())
+            t = tuple(np.array(t)[keep].tolist())
+        return (
+            np.repeat(np.array(code, dtype=np.int8), ln),
+            np.repeat(np.array(t, dtype=np.float64), ln),
+        )
 
     def tuples(self) -> list[tuple[int, int, int | None, int, float]]:
         """Every queued operation as ``(op, key, parent_or_None, tier_rank, t_ms)``, in apply order."""
         out: list[tuple[int, int, int | None, int, float]] = []
         pk = iter(self.pkey)
         prev: int | None = None
-        for c, k, t in zip(self.code, self.key, self.t, strict=True):
+        codes, ts = self.columns()
+        for c, k, t in zip(codes.tolist(), self.key, ts.tolist(), strict=True):
             op, r = c & 7, c >> 3
             if op == _STORE_P:
                 out.append((STORE, k, next(pk), r, t))
@@ -156,11 +170,16 @@ def _touch(idx: BlockIndex, slots: I64, t: npt.NDArray[np.float64]) -> None:
 
 
 def _count_add(a: npt.NDArray[np.int32], i: I64, delta: int) -> None:
-    """``a[i] += delta`` with repeated indices accumulating (``np.add.at``, sort based when large)."""
+    """``a[i] += delta`` with repeated indices accumulating (as ``np.add.at``, faster)."""
     if i.size == 0:
         return
-    if i.size <= 64:
+    if i.size <= 32:
         np.add.at(a, i, delta)
+        return
+    lo, hi = int(i.min()), int(i.max())
+    if hi - lo <= 8 * i.size + 4096:  # compact range (new slots are mostly contiguous): count directly
+        cnt = np.bincount(i - lo, minlength=hi - lo + 1)
+        a[lo : hi + 1] += (cnt * delta).astype(a.dtype)
         return
     u, c = np.unique(i, return_counts=True)
     a[u] += (c * delta).astype(a.dtype)
@@ -260,14 +279,13 @@ def apply_ops(idx: BlockIndex, q: OpQueue) -> None:
     """Apply and clear the queued operations."""
     if q.ops:
         q._spill_tuples()
-    n = len(q.code)
+    n = len(q.key)
     if not n:
         return
-    codes = np.array(q.code, dtype=np.int8)
+    codes, ts = q.columns()
     op = codes & 7
     ranks = (codes >> 3).astype(np.int64)
     keys = _keys(q.key)
-    ts = np.array(q.t, dtype=np.float64)
     # distinct keys (sort based); each op's key group and occurrence number on its key (= its round)
     order = np.argsort(keys, kind="stable")
     sk = keys[order]
