@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import typer
@@ -16,28 +15,33 @@ def serve(
     config: Path = typer.Option(
         None, "--config", help="Config file (JSON or TOML); KVTIER_* env overrides it."
     ),
+    mode: str = typer.Option(None, "--mode", help="off | shadow | active [persisted policy; shadow]."),
+    actuator: list[str] = typer.Option(None, "--actuator", help="shadow|vllm-warmup|lmcache-mp (repeat)."),
+    state_dir: Path = typer.Option(None, "--state-dir", help="Policy/pins/model kept here [.kvtier-state]."),
+    log_json: bool = typer.Option(None, "--log-json", help="JSON-lines logs."),
 ) -> None:
-    """Watch vLLM (metrics + KV events), cache layers and storage; serve /metrics, /v1/status, /readyz."""
+    """Watch vLLM (metrics + KV events), cache layers and storage; serve /metrics, /v1/status, /readyz;
+    run the reconcile loop and the policy API (/v1/policy, /v1/pins, /v1/decisions, ...; OpenAPI at /docs)."""
     import uvicorn
 
-    from kvtier.controller.app import create_app
+    from kvtier.controller.control_sidecar import ControlledSidecar, create_controlled_app
+    from kvtier.controller.logs import configure_logging
     from kvtier.controller.settings import load_settings
-    from kvtier.controller.sidecar import PeerNotAvailable, Sidecar
+    from kvtier.controller.sidecar import PeerNotAvailable
 
     try:
         settings = load_settings(
             config, engine_urls=engine_url or None, lmcache_urls=lmcache_url or None,
-            mooncake_urls=mooncake_url or None, listen=listen,
+            mooncake_urls=mooncake_url or None, listen=listen, mode=mode, actuators=actuator or None,
+            state_dir=str(state_dir) if state_dir else None, log_json=log_json,
         )  # fmt: skip
         host, port = settings.listen_host_port
-        logging.basicConfig(
-            level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
-        sidecar = Sidecar(settings)
+        configure_logging(settings.log_level, json_lines=settings.log_json)
+        sidecar = ControlledSidecar(settings)
     except (PeerNotAvailable, ValueError, OSError) as exc:
         typer.echo(f"kvtier serve: {exc}", err=True)
         raise typer.Exit(2) from exc
-    uvicorn.run(create_app(sidecar), host=host, port=port, log_level=settings.log_level.lower())
+    uvicorn.run(create_controlled_app(sidecar), host=host, port=port, log_level=settings.log_level.lower())
 
 
 def register(app: typer.Typer) -> None:

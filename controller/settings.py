@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -43,8 +43,21 @@ class Settings(BaseSettings):
     storage_devices: Annotated[list[str] | None, NoDecode] = None  # None: all but loop/ram
     tier_paths: dict[str, str] = Field(default_factory=dict)  # tier -> path, capacity is reported
     log_level: str = "INFO"
+    # -- control plane (issue 4) --
+    mode: Literal["off", "shadow", "active"] | None = None  # None: persisted policy's (default shadow)
+    actuators: Annotated[list[str], NoDecode] = Field(default_factory=list)  # shadow, vllm-warmup, lmcache-mp
+    state_dir: str = ".kvtier-state"  # SQLite file with policy, pins, trained model
+    api_token: str | None = None  # KVTIER_API_TOKEN: bearer token required for API mutations
+    engine_model: str = ""  # served model name for warm-ups ("" = first of the engine's /v1/models)
+    warmup_tokens_per_s: float = Field(default=4096.0, gt=0)  # vllm-warmup budget: prompt tokens per second
+    warmup_requests_per_s: float = Field(default=4.0, gt=0)  # vllm-warmup budget: requests per second
+    log_json: bool = False  # structured JSON-lines logs
+    # per-actuator factory options, e.g. {"mooncake": {"admin_url": ..., "master_addr": ...}}
+    actuator_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
-    @field_validator("engine_urls", "lmcache_urls", "mooncake_urls", "storage_devices", mode="before")
+    @field_validator(
+        "engine_urls", "lmcache_urls", "mooncake_urls", "storage_devices", "actuators", mode="before"
+    )
     @classmethod
     def _lists(cls, v: Any) -> Any:
         return _split(v)

@@ -19,6 +19,9 @@ def _register() -> None:
     from kvtier.replay import cli as _replay_cli  # noqa: F401  (replay, compare)
 
     _serve.register(app)  # serve
+    from kvtier.controller import cli as _control_cli
+
+    _control_cli.register(app)  # shadow-replay
 
 
 def main() -> None:

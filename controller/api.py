@@ -1,0 +1,390 @@
+"""REST policy API (FastAPI routers): policy, pins, decisions, blocks, model; bearer auth on mutations.
+
+Mount with :func:`add_control_routes` on the sidecar's app (collectors' ``controller.app``). Every mutation
+needs ``Authorization: Bearer <token>`` when a token is configured (``KVTIER_API_TOKEN``): 401 when missing,
+403 when wrong. Validation errors are 422 with a ``detail`` list naming the field and the reason.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, Literal
+
+import httpx
+import numpy as np
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Path, Query, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvtier.controller.loop import ReconcileLoop, block_key_hex
+from kvtier.controller.model import ModelManager
+from kvtier.controller.pins import Pin
+from kvtier.controller.policy_doc import PolicyDoc
+from kvtier.controller.store import StateStore
+from kvtier.policies.index import to_key
+from kvtier.policies.prefix_hash import block_hashes
+from kvtier.policies.tiers import TIER_ORDER, Tier
+
+log = logging.getLogger(__name__)
+
+Tokenizer = Callable[[str, str], Awaitable[list[int]]]  # (prompt, model) -> token ids
+
+
+class PinRequest(BaseModel):
+    """Exactly one of ``prompt``, ``token_ids``, ``block_hash``."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt: str | None = Field(
+        default=None, min_length=1, max_length=1_000_000, description="tokenized by the engine"
+    )
+    token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(
+        default=None, min_length=1, max_length=1_000_000
+    )
+    block_hash: str | int | None = Field(
+        default=None, description="16 hex digits (or 0x-prefixed) or a decimal uint64"
+    )
+    tier: Tier = Field(default=Tier.GPU, description="gpu, cpu, disk or remote")
+    ttl_s: float | None = Field(
+        default=None, gt=0, le=86400 * 365, description="expire after this many seconds"
+    )
+    model: str | None = Field(
+        default=None, max_length=256, description="served model name (default: the engine's)"
+    )
+
+    @model_validator(mode="after")
+    def _one_of(self) -> PinRequest:
+        given = [k for k in ("prompt", "token_ids", "block_hash") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of prompt, token_ids, block_hash (got {given or 'none'})")
+        return self
+
+
+def parse_block_hash(v: str | int) -> int:
+    """Hex (16 digits or 0x-prefixed) or decimal -> int64 key. ValueError when it is not a 64-bit hash."""
+    if isinstance(v, bool):
+        raise ValueError("block_hash must be a string or an integer")
+    if isinstance(v, int):
+        return to_key(v)
+    s = v.strip().lower()
+    if s.startswith("0x"):
+        n = int(s[2:], 16)
+    elif len(s) == 16 and all(c in "0123456789abcdef" for c in s):
+        n = int(s, 16)
+    elif s.lstrip("-").isdigit():
+        n = int(s)
+    else:
+        raise ValueError(f"block_hash {v!r} is neither 16 hex digits, 0x-hex nor decimal")
+    if not -(1 << 63) <= n < (1 << 64):
+        raise ValueError(f"block_hash {v!r} does not fit in 64 bits")
+    return to_key(n)
+
+
+class ControlContext:
+    """What the routers need; built once by the sidecar."""
+
+    def __init__(
+        self,
+        loop: ReconcileLoop,
+        store: StateStore,
+        models: ModelManager,
+        *,
+        api_token: str | None = None,
+        tokenizer: Tokenizer | None = None,
+        engine_model: str = "",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.loop, self.store, self.models = loop, store, models
+        self.api_token = api_token or None
+        self.tokenizer = tokenizer
+        self.engine_model = engine_model
+        self.clock = clock
+
+    def restore(self) -> None:
+        """Load the persisted policy and pins (called at startup)."""
+        doc = self.store.get_json("policy")
+        if doc is not None:
+            try:
+                self.loop.set_policy(PolicyDoc.model_validate(doc))
+            except ValidationError as e:
+                log.error("persisted policy is invalid, keeping defaults: %s", e)
+        for p in self.store.load_pins():
+            self.loop.pins.add(p)
+            if p.token_ids is not None and p.block_size:
+                self.loop.tokens.add_chain(p.blocks, p.token_ids, p.block_size)
+        self.models.load()
+
+
+def engine_tokenizer(base_url: str, client: httpx.AsyncClient, timeout_s: float = 10.0) -> Tokenizer:
+    """``POST {base_url}/tokenize`` (vLLM) -> token ids."""
+
+    async def tokenize(prompt: str, model: str) -> list[int]:
+        body: dict[str, Any] = {"prompt": prompt}
+        if model:
+            body["model"] = model
+        r = await client.post(base_url.rstrip("/") + "/tokenize", json=body, timeout=timeout_s)
+        r.raise_for_status()
+        return [int(t) for t in r.json()["tokens"]]
+
+    return tokenize
+
+
+def _auth(ctx: ControlContext) -> Callable[..., None]:
+    def check(authorization: Annotated[str | None, Header()] = None) -> None:
+        if ctx.api_token is None:
+            return
+        if not authorization:
+            raise HTTPException(
+                401, "missing Authorization: Bearer <token> header", headers={"WWW-Authenticate": "Bearer"}
+            )
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise HTTPException(
+                401, "Authorization header must be 'Bearer <token>'", headers={"WWW-Authenticate": "Bearer"}
+            )
+        if not hmac.compare_digest(token.strip().encode(), ctx.api_token.encode()):
+            raise HTTPException(403, "invalid API token")
+
+    return check
+
+
+def _validation_422(e: ValidationError) -> HTTPException:
+    return HTTPException(
+        422,
+        [
+            {"loc": list(err["loc"]), "msg": err["msg"], "type": err["type"]}
+            for err in e.errors(include_url=False)
+        ],
+    )
+
+
+def build_router(ctx: ControlContext) -> APIRouter:
+    r = APIRouter()
+    auth = Depends(_auth(ctx))
+    loop = ctx.loop
+
+    # -- policy ------------------------------------------------------------------------------------------
+    @r.get("/v1/policy", response_model=PolicyDoc, tags=["policy"])
+    def get_policy() -> PolicyDoc:
+        """The active policy (or the one pending for the next tick)."""
+        return loop._pending_policy or loop.policy
+
+    def _apply(doc: PolicyDoc) -> PolicyDoc:
+        ctx.store.put_json("policy", doc.model_dump(mode="json"))
+        loop.set_policy(doc)
+        return doc
+
+    @r.put("/v1/policy", response_model=PolicyDoc, tags=["policy"], dependencies=[auth])
+    def put_policy(doc: PolicyDoc) -> PolicyDoc:
+        """Replace the whole policy; it takes effect at the next tick boundary."""
+        return _apply(doc)
+
+    @r.patch("/v1/policy", response_model=PolicyDoc, tags=["policy"], dependencies=[auth])
+    def patch_policy(patch: dict[str, Any]) -> PolicyDoc:
+        """Merge a partial policy (objects merge, lists replace), validate, apply at the next tick."""
+        try:
+            doc = (loop._pending_policy or loop.policy).merged(patch)
+        except ValidationError as e:
+            raise _validation_422(e) from e
+        return _apply(doc)
+
+    # -- pins ----------------------------------------------------------------------------------------------
+    @r.get("/v1/pins", tags=["pins"])
+    def list_pins() -> dict[str, Any]:
+        now = ctx.clock()
+        return {"pins": [p.to_dict() for p in loop.pins.all() if not p.expired(now)]}
+
+    @r.post("/v1/pins", status_code=201, tags=["pins"], dependencies=[auth])
+    async def add_pin(req: PinRequest) -> dict[str, Any]:
+        """Pin a prefix to a tier: the planner keeps it there (or brings it there) until deleted / expired."""
+        bs = loop.policy.block_size_tokens
+        model = req.model or ctx.engine_model
+        tokens: list[int] | None = None
+        if req.prompt is not None:
+            if ctx.tokenizer is None:
+                raise HTTPException(
+                    422,
+                    [
+                        {
+                            "loc": ["body", "prompt"],
+                            "type": "value_error",
+                            "msg": "prompt pins need an engine to tokenize (--engine-url); "
+                            "send token_ids instead",
+                        }
+                    ],
+                )
+            try:
+                tokens = await ctx.tokenizer(req.prompt, model)
+            except (httpx.HTTPError, KeyError, ValueError) as e:
+                raise HTTPException(503, f"engine /tokenize failed: {type(e).__name__}: {e}") from e
+            source = "prompt"
+        elif req.token_ids is not None:
+            tokens = list(req.token_ids)
+            source = "token_ids"
+        else:
+            source = "block_hash"
+        if tokens is not None:
+            if len(tokens) < bs:
+                raise HTTPException(
+                    422,
+                    [
+                        {
+                            "loc": ["body", source],
+                            "type": "value_error",
+                            "msg": f"prefix has {len(tokens)} tokens, less than one block "
+                            f"({bs} tokens): nothing to pin",
+                        }
+                    ],
+                )
+            blocks = [to_key(h) for h in block_hashes(tokens, bs)]
+            tokens = tokens[: len(blocks) * bs]
+        else:
+            assert req.block_hash is not None
+            try:
+                blocks = [parse_block_hash(req.block_hash)]
+            except ValueError as e:
+                raise HTTPException(
+                    422, [{"loc": ["body", "block_hash"], "type": "value_error", "msg": str(e)}]
+                ) from e
+        pin = Pin(
+            id=uuid.uuid4().hex[:16],
+            tier=req.tier,
+            blocks=blocks,
+            created_at_s=ctx.clock(),
+            ttl_s=req.ttl_s,
+            source=source,
+            token_ids=tokens,
+            block_size=bs if tokens else 0,
+            model=model,
+        )
+        if tokens is not None:
+            loop.tokens.add_chain(blocks, tokens, bs)
+        loop.pins.add(pin)
+        ctx.store.save_pin(pin)
+        loop.wake()
+        return pin.to_dict()
+
+    @r.delete("/v1/pins/{pin_id}", status_code=204, tags=["pins"], dependencies=[auth])
+    def delete_pin(pin_id: Annotated[str, Path(max_length=64)]) -> Response:
+        p = loop.pins.remove(pin_id)
+        if p is None:
+            raise HTTPException(404, f"no pin {pin_id!r}")
+        ctx.store.delete_pin(pin_id)
+        loop.pinned_at_layer.difference_update(p.blocks)
+        return Response(status_code=204)
+
+    @r.delete("/v1/pins", status_code=204, tags=["pins"], dependencies=[auth])
+    def delete_pin_q(id: Annotated[str, Query(max_length=64, description="pin id")]) -> Response:  # noqa: A002
+        return delete_pin(id)
+
+    # -- decisions -----------------------------------------------------------------------------------------
+    @r.get("/v1/decisions", tags=["audit"])
+    def decisions(
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        action: Annotated[
+            Literal["promote", "demote", "prefetch", "pin", "evict", "admit"] | None, Query()
+        ] = None,
+        tier: Annotated[Tier | None, Query()] = None,
+        outcome: Annotated[
+            Literal["planned", "shadow", "applied", "failed", "skipped"] | None, Query()
+        ] = None,
+    ) -> dict[str, Any]:
+        """The audit trail, newest first, with each decision's counterfactual score once known."""
+        ds = loop.decisions.query(limit, action, tier.value if tier else None, outcome=outcome)
+        return {"decisions": [d.to_dict() for d in ds], "shadow": loop.decisions.report.to_dict()}
+
+    # -- blocks --------------------------------------------------------------------------------------------
+    @r.get("/v1/blocks/{block_hash}", tags=["blocks"])
+    def explain_block(block_hash: Annotated[str, Path(max_length=32)]) -> dict[str, Any]:
+        """Explain one block: features, predicted reuse, tiers, pin, last decisions."""
+        try:
+            key = parse_block_hash(block_hash)
+        except ValueError as e:
+            raise HTTPException(
+                422, [{"loc": ["path", "block_hash"], "type": "value_error", "msg": str(e)}]
+            ) from e
+        idx = loop.index
+        st = idx.get(key)
+        pins = loop.pins.block_map(ctx.clock())
+        if st is None and key not in pins:
+            raise HTTPException(404, f"block {block_key_hex(key)} is not tracked")
+        out: dict[str, Any] = {
+            "block_hash": block_key_hex(key),
+            "key": key,
+            "pinned_tier": pins[key].value if key in pins else None,
+            "tokens_known": key in loop.tokens,
+            "decisions": [d.to_dict() for d in loop.decisions.query(20, block=key)],
+        }
+        if st is not None:
+            s = idx.slot_of(key)
+            now_ms = ctx.clock() * loop.index_ms_per_s
+            try:
+                p = float(np.asarray(loop.predictor.predict(idx, s + 1, now_ms))[s])
+                pname = loop.predictor.name
+            except Exception:  # noqa: BLE001
+                p = float(np.asarray(loop.fallback.predict(idx, s + 1, now_ms))[s])
+                pname = loop.fallback.name
+            out.update(
+                {
+                    "tiers": [t.value for t in st.tiers],
+                    "predicted_reuse": p,
+                    "predictor": pname,
+                    "features": {
+                        "frequency": st.frequency,
+                        "depth": st.depth,
+                        "age_s": max(0.0, now_ms - st.last_access_ms) / loop.index_ms_per_s,
+                        "last_gap_s": None
+                        if np.isnan(st.last_gap_ms)
+                        else st.last_gap_ms / loop.index_ms_per_s,
+                        "gap_ewma_s": None
+                        if np.isnan(st.gap_ewma_ms)
+                        else st.gap_ewma_ms / loop.index_ms_per_s,
+                        "nbytes": st.nbytes,
+                        "children": st.children,
+                        "resident_children": {t.value: v for t, v in st.resident_children.items()},
+                    },
+                    "parent": None if st.parent is None else block_key_hex(st.parent),
+                }
+            )
+        else:
+            out.update({"tiers": [], "predicted_reuse": None, "features": None})
+        return out
+
+    # -- model ---------------------------------------------------------------------------------------------
+    @r.get("/v1/model", tags=["model"])
+    def model_info() -> dict[str, Any]:
+        """Predictor version, training set size, AUC and calibration."""
+        return ctx.models.info()
+
+    @r.post("/v1/model/retrain", tags=["model"], dependencies=[auth])
+    def retrain() -> dict[str, Any]:
+        """Retrain the predictor now on what has been observed so far; persisted as a new version."""
+        try:
+            return ctx.models.retrain()
+        except ModelManager.NotTrainable as e:
+            raise HTTPException(409, str(e)) from e
+
+    return r
+
+
+def status_extra(ctx: ControlContext) -> dict[str, Any]:
+    """Additions to ``GET /v1/status``: mode, actuator health, last tick, pins, shadow summary."""
+    st = ctx.loop.status()
+    st["tiers"] = [t.value for t in TIER_ORDER]
+    return {"controller": st, "mode": st["mode"]}
+
+
+def add_control_routes(app: FastAPI, ctx: ControlContext, *, with_status: bool = False) -> None:
+    """Mount the policy API on ``app``; ``with_status`` also serves ``/v1/status`` (standalone use)."""
+    app.include_router(build_router(ctx))
+    app.state.control = ctx
+    if with_status:
+
+        @app.get("/v1/status", tags=["status"])
+        def status() -> dict[str, Any]:
+            return status_extra(ctx)
+
+    _ = RequestValidationError  # FastAPI's default handler already returns 422 with field locations

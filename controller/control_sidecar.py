@@ -1,0 +1,110 @@
+"""The sidecar with its control plane: collectors + reconcile loop + policy API on one app.
+
+:class:`ControlIngestor` feeds the block index (collectors' ingestor) and, for ``BlockStored`` events, the
+token store used by warm-ups; then it wakes the loop (events never carry state into the loop).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+
+from kvtier.collectors.kv_ingest import KvIngestor
+from kvtier.collectors.vllm_events import BlockStored, DecodedBatch, block_key
+from kvtier.controller.api import status_extra
+from kvtier.controller.app import create_app
+from kvtier.controller.runtime import ControlPlane, build_control_plane, make_actuator
+from kvtier.controller.settings import Settings
+from kvtier.controller.sidecar import Sidecar
+from kvtier.controller.tracing import make_tracer, make_tracer_provider
+
+log = logging.getLogger(__name__)
+
+
+class ControlIngestor(KvIngestor):
+    """A :class:`KvIngestor` that also keeps block tokens and wakes the reconcile loop after each batch."""
+
+    plane: ControlPlane | None = None
+
+    def apply(self, engine: str, batch: DecodedBatch, source: str | None = None) -> None:
+        super().apply(engine, batch, source)
+        plane = self.plane
+        if plane is None:
+            return
+        tokens = plane.loop.tokens
+        for e in batch.events:
+            if type(e) is BlockStored and e.block_size > 0:
+                try:
+                    toks = e.tokens()
+                    parent = None if e.parent_block_hash is None else block_key(e.parent_block_hash)
+                    tokens.on_block_stored([block_key(h) for h in e.block_hashes], parent, toks, e.block_size)
+                except Exception as exc:  # noqa: BLE001 - a bad event must not stop ingestion
+                    log.warning("token store: skipped a BlockStored event: %s", exc)
+        plane.loop.wake()
+
+
+class ControlledSidecar(Sidecar):
+    """:class:`Sidecar` + :class:`ControlPlane`: ``/v1/status`` gains mode, actuator health, last tick."""
+
+    def __init__(self, settings: Settings, **kw: Any) -> None:
+        ing = kw.pop("ingestor", None) or ControlIngestor()
+        super().__init__(settings, ingestor=ing, **kw)
+        engine_url = settings.engine_urls[0] if settings.engine_urls else None
+        model = settings.engine_model or (discover_model(engine_url) if engine_url else "")
+        acts = []
+        for name in settings.actuators:
+            extra: dict[str, Any] = {}
+            if name == "vllm-warmup":
+                from kvtier.controller.actuators.vllm_warmup import WarmupBudget
+
+                extra["budget"] = WarmupBudget(settings.warmup_tokens_per_s, settings.warmup_requests_per_s)
+            acts.append(make_actuator(name, engine_url=engine_url, engine_model=model,
+                                      lmcache_url=settings.lmcache_urls[0] if settings.lmcache_urls else None,
+                    options=settings.actuator_options.get(name),
+                                      **extra))  # fmt: skip
+        self.tracer_provider = make_tracer_provider()
+        self.plane = build_control_plane(
+            self.ingestor.index, registry=self.registry, state_dir=settings.state_dir, mode=settings.mode,
+            actuators=acts, tracer=make_tracer(self.tracer_provider), clock=self.clock,
+            api_token=settings.api_token, engine_url=engine_url, engine_model=model, http=self.client,
+        )  # fmt: skip
+        self.plane.http = None  # the sidecar owns the shared client
+        if isinstance(self.ingestor, ControlIngestor):
+            self.ingestor.plane = self.plane
+
+    async def start(self) -> None:
+        await super().start()
+        await self.plane.start()
+
+    async def stop(self) -> None:
+        await self.plane.stop()
+        await super().stop()
+        self.tracer_provider.shutdown()
+
+    def status(self) -> dict[str, Any]:
+        out = super().status()
+        out.update(status_extra(self.plane.ctx))
+        return out
+
+
+def discover_model(engine_url: str, timeout_s: float = 5.0) -> str:
+    """First served model name of a vLLM server (``GET /v1/models``); "" when unreachable."""
+    try:
+        r = httpx.get(engine_url.rstrip("/") + "/v1/models", timeout=timeout_s)
+        r.raise_for_status()
+        return str(r.json()["data"][0]["id"])
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        log.warning(
+            "could not discover the served model of %s (%s); set KVTIER_ENGINE_MODEL", engine_url, exc
+        )
+        return ""
+
+
+def create_controlled_app(sidecar: ControlledSidecar, *, manage_lifecycle: bool = True) -> FastAPI:
+    """Collectors' app (/metrics, /v1/status, /healthz, /readyz) + the policy API; OpenAPI at /docs."""
+    app = create_app(sidecar, manage_lifecycle=manage_lifecycle)
+    sidecar.plane.mount(app)
+    return app

@@ -1,0 +1,580 @@
+"""The reconcile loop: observed state (the block index) + P(reuse) -> planned moves -> actuators.
+
+Level-based, like a Kubernetes reconciler: each tick reads the index, asks the predictor and the planner
+for the desired placement, and acts only on the difference; the planner assumes in-flight moves done, so a
+repeated tick over unchanged state is a no-op. KV events only *wake* the loop (:meth:`ReconcileLoop.wake`);
+state always comes from the index. A failing predictor falls back to the heuristic one, a failing observe
+or plan stage to "no action"; each fallback is counted and the loop keeps running. Ticks have a timeout.
+
+Modes: ``off`` (observe only), ``shadow`` (decide, record, score counterfactually; the default) and
+``active`` (decide and actuate; moves no configured actuator can do are recorded as shadow decisions).
+Clock injected (seconds); the index keeps milliseconds (``index_ms_per_s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from opentelemetry import trace
+from opentelemetry.trace import Tracer
+
+from kvtier.controller.actuators.base import (
+    ActuationResult,
+    Actuator,
+    BlockRef,
+    Capability,
+    KeyOutcome,
+    Outcome,
+)
+from kvtier.controller.decisions import Decision, DecisionLog, score
+from kvtier.controller.decisions import Outcome as DecisionOutcome
+from kvtier.controller.metrics import ControllerMetrics
+from kvtier.controller.pins import PinSet
+from kvtier.controller.policy_doc import PolicyDoc
+from kvtier.controller.predict import HeuristicPredictor, ReusePredictor
+from kvtier.controller.tokens import TokenStore
+from kvtier.policies.index import BlockIndex
+from kvtier.policies.planner import BlockView, Move, Plan, Planner
+from kvtier.policies.tiers import Tier
+
+log = logging.getLogger(__name__)
+
+ACTION_CAPABILITY: dict[str, Capability] = {
+    "promote": Capability.PROMOTE,
+    "demote": Capability.DEMOTE,
+    "prefetch": Capability.PREFETCH,
+    "admit": Capability.PREFETCH,  # admit = load / recompute into a tier: a prefetch for the layer
+    "pin": Capability.PIN,
+    "evict": Capability.EVICT,
+}
+_U64 = (1 << 64) - 1
+# tiers an adapter can target when it does not say so itself (``tiers`` attribute)
+LAYER_TIERS: dict[str, frozenset[Tier]] = {
+    "lmcache-mp": frozenset({Tier.CPU, Tier.DISK}),  # L1 (DRAM) and L2 (fs)
+    "lmcache-controller": frozenset({Tier.CPU, Tier.DISK}),
+    "mooncake": frozenset({Tier.CPU, Tier.DISK, Tier.REMOTE}),
+}
+
+
+_OUTCOME: dict[str, DecisionOutcome] = {"applied": "applied", "failed": "failed", "skipped": "skipped"}
+
+
+def _tier_name(t: Tier | None) -> str | None:
+    return t.value if t is not None else None
+
+
+def block_key_hex(block: int) -> str:
+    """The block hash as 16 lowercase hex digits (uint64 view of the int64 key)."""
+    return f"{block & _U64:016x}"
+
+
+@dataclass(slots=True)
+class TickReport:
+    tick: int
+    at_s: float
+    mode: str
+    duration_s: float = 0.0
+    outcome: str = "ok"  # ok | timeout | error | overlap
+    moves: int = 0
+    decisions: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    fallbacks: list[str] = field(default_factory=list)
+    predictor: str = ""
+    plan: Plan | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tick": self.tick,
+            "at_s": self.at_s,
+            "mode": self.mode,
+            "duration_s": self.duration_s,
+            "outcome": self.outcome,
+            "moves": self.moves,
+            "decisions": self.decisions,
+            "outcomes": dict(self.outcomes),
+            "fallbacks": self.fallbacks,
+            "predictor": self.predictor,
+            "tried": dict(self.plan.tried) if self.plan else {},
+            "deferred": dict(self.plan.deferred) if self.plan else {},
+            "held": dict(self.plan.held) if self.plan else {},
+        }
+
+
+class ReconcileLoop:
+    """Owns the planner; everything else (index, pins, actuators, log, metrics, tracer, clock) is injected."""
+
+    def __init__(
+        self,
+        index: BlockIndex,
+        *,
+        policy: PolicyDoc,
+        actuators: Sequence[Actuator] = (),
+        pins: PinSet | None = None,
+        tokens: TokenStore | None = None,
+        decisions: DecisionLog | None = None,
+        metrics: ControllerMetrics,
+        tracer: Tracer | None = None,
+        clock: Callable[[], float] = time.time,
+        predictor: ReusePredictor | None = None,
+        fallback: ReusePredictor | None = None,
+        model: str = "",
+        index_ms_per_s: float = 1000.0,
+        max_score_per_tick: int = 20_000,
+        assume_admittable: bool = False,
+    ) -> None:
+        self.index = index
+        self.policy = policy
+        self._pending_policy: PolicyDoc | None = None
+        self.actuators = list(actuators)
+        self.pins = pins or PinSet()
+        self.tokens = tokens or TokenStore()
+        self.decisions = decisions or DecisionLog()
+        self.metrics = metrics
+        self.tracer = tracer or trace.get_tracer("kvtier.controller")
+        self.clock = clock
+        self.fallback: ReusePredictor = fallback or HeuristicPredictor(policy.predictor.tau_s * 1000.0)
+        self.predictor: ReusePredictor = predictor or self.fallback
+        self.model = model
+        self.index_ms_per_s = index_ms_per_s
+        self.max_score_per_tick = max_score_per_tick
+        self.assume_admittable = assume_admittable  # replay: any block can be re-created (recompute)
+        self.planner = Planner(policy.planner_config())
+        self.pinned_at_layer: set[int] = set()
+        self.tick_no = 0
+        self.last: TickReport | None = None
+        self.errors: Counter[str] = Counter()
+        self._busy = threading.Lock()
+        self._wake: asyncio.Event | None = None
+        self._tokens_buf: npt.NDArray[np.int32] = np.zeros(0, np.int32)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self.fault: dict[str, BaseException] = {}  # test hook: stage -> exception to raise (fault injection)
+        metrics.init_layers(a.name for a in self.actuators)
+        metrics.set_mode(policy.mode)
+
+    # -- configuration -----------------------------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        return (self._pending_policy or self.policy).mode
+
+    def set_policy(self, doc: PolicyDoc) -> None:
+        """Swap the policy at the next tick boundary (never mid-tick)."""
+        self._pending_policy = doc
+        self.metrics.set_mode(doc.mode)
+
+    def _commit_policy(self) -> None:
+        doc, self._pending_policy = self._pending_policy, None
+        if doc is None:
+            return
+        self.policy = doc
+        self.planner.reconfigure(doc.planner_config())
+        if isinstance(self.fallback, HeuristicPredictor):
+            self.fallback.tau_ms = doc.predictor.tau_s * 1000.0
+
+    def wake(self) -> None:
+        """Ask for an early tick (KV events call this; they never carry state into the loop)."""
+        if self._wake is not None:
+            self._wake.set()
+
+    # -- one tick ----------------------------------------------------------------------------------------
+    def tick(self) -> TickReport:
+        """Run one reconcile pass synchronously (the async runner calls it in a worker thread)."""
+        if not self._busy.acquire(blocking=False):
+            self.metrics.ticks.labels(outcome="overlap").inc()
+            return TickReport(self.tick_no, self.clock(), self.mode, outcome="overlap")
+        try:
+            return self._tick()
+        finally:
+            self._busy.release()
+
+    def _fault(self, stage: str) -> None:
+        exc = self.fault.get(stage)
+        if exc is not None:
+            raise exc
+
+    def _tick(self) -> TickReport:
+        self._commit_policy()
+        self.tick_no += 1
+        now = self.clock()
+        rep = TickReport(self.tick_no, now, self.policy.mode)
+        t0 = time.perf_counter()
+        with self.tracer.start_as_current_span("kvtier.tick") as span:
+            span.set_attribute("kvtier.tick", self.tick_no)
+            span.set_attribute("kvtier.mode", self.policy.mode)
+            try:
+                self._run_phases(now, rep)
+            except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+                rep.outcome = "error"
+                self.errors[type(exc).__name__] += 1
+                log.exception("tick %d failed", self.tick_no)
+                span.record_exception(exc)
+            span.set_attribute("kvtier.decisions", rep.decisions)
+            span.set_attribute("kvtier.outcome", rep.outcome)
+        rep.duration_s = time.perf_counter() - t0
+        self.metrics.tick_seconds.observe(rep.duration_s)
+        self.metrics.ticks.labels(outcome=rep.outcome).inc()
+        self.metrics.last_tick.set(now)
+        self.metrics.pins.set(sum(len(p.blocks) for p in self.pins.all()))
+        for a in self.actuators:
+            self.metrics.actuator_up.labels(layer=a.name).set(1.0 if a.health().breaker == "closed" else 0.0)
+        self.last = rep
+        return rep
+
+    def _phase(self, name: str) -> contextlib.AbstractContextManager[Any]:
+        return _Phase(self, name)
+
+    def _run_phases(self, now: float, rep: TickReport) -> None:
+        self.pins.expire(now)
+        if self.policy.mode == "off":
+            with self._phase("score"):
+                self._score(now)
+            return
+        with self._phase("observe"):
+            try:
+                self._fault("observe")
+                view, n = self._observe()
+            except Exception as exc:  # noqa: BLE001
+                self._fallback(rep, "observe", "no_action", exc)
+                return
+        with self._phase("predict"):
+            p = self._predict(n, now, rep)
+            if p is None:
+                return
+            view = BlockView(
+                view.hashes,
+                view.tier_mask,
+                view.tokens,
+                view.nbytes,
+                p,
+                self._admittable(view, p),
+                view.lookup,
+            )
+        with self._phase("plan"):
+            try:
+                self._fault("plan")
+                pin_tokens = self.pins.tokens(now)
+                plan = self.planner.plan(
+                    view,
+                    now,
+                    pins=self.pins.block_map(now),
+                    pinned_at_layer=self.pinned_at_layer,
+                    pin_admittable=pin_tokens.keys(),
+                )
+            except Exception as exc:  # noqa: BLE001
+                self._fallback(rep, "plan", "no_action", exc)
+                return
+        rep.plan = plan
+        rep.moves = len(plan.moves)
+        for a, c in plan.tried.items():
+            self.metrics.moves_tried.labels(action=a).inc(c)
+        for a, c in plan.deferred.items():
+            self.metrics.moves_deferred.labels(action=a).inc(c)
+        with self._phase("act"):
+            self._act(plan.moves, view, now, rep)
+            self.planner.commit(plan.moves, now)
+        with self._phase("score"):
+            self._score(now)
+
+    def _fallback(self, rep: TickReport, stage: str, fallback: str, exc: BaseException) -> None:
+        self.metrics.fallbacks.labels(stage=stage, fallback=fallback).inc()
+        self.errors[f"{stage}:{type(exc).__name__}"] += 1
+        rep.fallbacks.append(f"{stage}->{fallback}: {type(exc).__name__}: {exc}")
+        log.warning(
+            "tick %d: %s failed (%s: %s); fallback %s", self.tick_no, stage, type(exc).__name__, exc, fallback
+        )
+
+    def _observe(self) -> tuple[BlockView, int]:
+        idx = self.index
+        n = int(getattr(idx, "_n", idx.capacity))
+        if self._tokens_buf.shape[0] != n:
+            self._tokens_buf = np.full(n, self.policy.block_size_tokens, np.int32)
+        nb = idx.nbytes[:n]
+        nbytes = np.where(nb > 0, nb, self.policy.block_bytes)
+        view = BlockView(
+            hashes=idx.hash[:n],
+            tier_mask=idx.tiers[:n].copy(),
+            tokens=self._tokens_buf,
+            nbytes=nbytes,
+            p_reuse=np.zeros(n, np.float32),
+            admittable=np.zeros(n, np.bool_),
+            lookup=idx.slot_of,
+        )
+        return view, n
+
+    def _predict(self, n: int, now: float, rep: TickReport) -> npt.NDArray[np.float32] | None:
+        now_ms = now * self.index_ms_per_s
+        try:
+            self._fault("predict")
+            p = self.predictor.predict(self.index, n, now_ms)
+            rep.predictor = self.predictor.name
+            return np.asarray(p, np.float32)
+        except Exception as exc:  # noqa: BLE001
+            if self.predictor is self.fallback:
+                self._fallback(rep, "predict", "no_action", exc)
+                return None
+            self._fallback(rep, "predict", "heuristic", exc)
+        try:
+            p = self.fallback.predict(self.index, n, now_ms)
+            rep.predictor = self.fallback.name
+            return np.asarray(p, np.float32)
+        except Exception as exc:  # noqa: BLE001
+            self._fallback(rep, "predict", "no_action", exc)
+            return None
+
+    def _admittable(self, view: BlockView, p: npt.NDArray[np.float32]) -> npt.NDArray[np.bool_]:
+        """Non-resident blocks whose chain tokens are known (checked for the likeliest candidates only)."""
+        if self.assume_admittable:
+            return np.ones(len(view), np.bool_)
+        adm = np.zeros(len(view), np.bool_)
+        if len(self.tokens) == 0:
+            return adm
+        cand = np.flatnonzero((view.tier_mask == 0) & (p >= self.policy.reuse_threshold))
+        if cand.size > 4096:
+            cand = cand[np.argpartition(-p[cand], 4095)[:4096]]
+        for r in cand.tolist():
+            if int(view.hashes[r]) in self.tokens:
+                adm[r] = True
+        return adm
+
+    # -- acting --------------------------------------------------------------------------------------------
+    def _actuator_for(self, m: Move) -> Actuator | None:
+        """First configured actuator that advertises the action for the move's target tier. ``admit`` (a
+        block resident nowhere) needs an adapter that can re-create it (``recreates``: vllm-warmup)."""
+        cap = ACTION_CAPABILITY[m.action]
+        for a in self.actuators:
+            if not a.supports(cap):
+                continue
+            if m.action == "admit" and not getattr(a, "recreates", False):
+                continue
+            tiers = getattr(a, "tiers", None) or LAYER_TIERS.get(a.name)
+            target = m.dst if m.action != "evict" else m.src
+            if tiers is not None and target not in tiers:
+                continue
+            return a
+        return None
+
+    def _ref(self, m: Move, pin_tokens: dict[int, Any]) -> BlockRef:
+        toks: tuple[int, ...] | None = None
+        pt = pin_tokens.get(m.block)
+        if pt is not None:
+            toks = pt[0].tokens_for(pt[1])
+        if toks is None:
+            toks = self.tokens.chain_tokens(m.block)
+        return BlockRef(layer_key=block_key_hex(m.block), model=self.model, token_ids=toks)
+
+    def _act(self, moves: list[Move], view: BlockView, now: float, rep: TickReport) -> None:
+        if not moves:
+            return
+        pin_tokens = self.pins.tokens(now)
+        active = self.policy.mode == "active"
+        groups: dict[tuple[str, str, Tier | None, Tier | None], list[tuple[Move, Decision, BlockRef]]] = {}
+        for m in moves:
+            act = self._actuator_for(m) if active else None
+            r = view.lookup(m.block) if view.lookup else -1
+            freq0 = int(self.index.freq[r]) if r >= 0 else -1
+            d = Decision(
+                id=self.decisions.new_id(),
+                tick=self.tick_no,
+                at_s=now,
+                action=m.action,
+                block=m.block,
+                src=m.src.value if m.src else None,
+                tier=_tier_name(m.dst or m.src),
+                value_s=m.value_s if np.isfinite(m.value_s) else 1e9,
+                p_reuse=float(view.p_reuse[r]) if r >= 0 else 1.0,
+                pinned=m.pinned,
+                layer=act.name if act else "shadow",
+                tokens=self.policy.block_size_tokens,
+                freq0=freq0,
+            )
+            self._child(self.metrics.decisions, m.action, d.tier or "none").inc()
+            rep.decisions += 1
+            if act is None:
+                d.outcome = "shadow"
+                d.detail = "shadow mode" if not active else "no actuator supports it"
+                self._record(d, rep)
+                self._child(self.metrics.actuations, "shadow", m.action, "shadow").inc()
+                continue
+            ref = self._ref(m, pin_tokens)
+            groups.setdefault((act.name, m.action, m.src, m.dst), []).append((m, d, ref))
+        by_name = {a.name: a for a in self.actuators}
+        for (name, action, src, dst), items in groups.items():
+            act = by_name[name]
+            with self.tracer.start_as_current_span("kvtier.actuate") as span:
+                span.set_attribute("kvtier.layer", name)
+                span.set_attribute("kvtier.action", action)
+                span.set_attribute("kvtier.tier", _tier_name(dst or src) or "none")
+                span.set_attribute("kvtier.blocks", len(items))
+                span.set_attribute("kvtier.decision_ids", [d.id for _, d, _ in items])
+                t0 = time.perf_counter()
+                refs = [ref for _, _, ref in items]
+                res = self._call(act, action, src, dst, refs)
+                outcomes = res.by_key()
+                if not all(rf.layer_key in outcomes for rf in refs):
+                    # the layer reports its own keys (e.g. LMCache chunks): attribute them ref by ref
+                    outcomes = {}
+                    for rf in refs:
+                        one = res if len(refs) == 1 else self._call(act, action, src, dst, [rf])
+                        outcomes[rf.layer_key] = _aggregate(rf.layer_key, one)
+                self.metrics.actuation_seconds.labels(layer=name).observe(time.perf_counter() - t0)
+                counts: Counter[str] = Counter()
+                for m, d, ref in items:
+                    o = outcomes.get(ref.layer_key)
+                    d.outcome = _OUTCOME.get(o.outcome.value, "failed") if o else "failed"
+                    if name == "shadow" and d.outcome != "failed":
+                        d.outcome = "shadow"
+                    d.detail = o.detail if o else "no outcome for key"
+                    counts[d.outcome] += 1
+                    self.metrics.actuations.labels(layer=name, action=action, outcome=d.outcome).inc()
+                    if d.outcome == "applied":
+                        self.metrics.moves_applied.labels(action=action).inc()
+                        if action == "pin":
+                            self.pinned_at_layer.add(m.block)
+                    self._record(d, rep)
+                for k, v in counts.items():
+                    span.set_attribute(f"kvtier.outcome.{k}", v)
+
+    def _call(
+        self, act: Actuator, action: str, src: Tier | None, dst: Tier | None, refs: list[BlockRef]
+    ) -> ActuationResult:
+        try:
+            self._fault("act")
+            if action in ("prefetch", "admit"):
+                assert dst is not None
+                return act.prefetch(refs, dst)
+            if action == "promote":
+                assert dst is not None
+                return act.promote(refs, dst)
+            if action == "demote":
+                assert dst is not None
+                return act.demote(refs, dst)
+            if action == "pin":
+                assert dst is not None
+                return act.pin(refs, dst)
+            if action == "evict":
+                return act.evict(refs, src)
+            raise ValueError(f"unknown action {action!r}")
+        except Exception as exc:  # noqa: BLE001 - an adapter bug must not kill the tick
+            self.errors[f"act:{type(exc).__name__}"] += 1
+            self.metrics.fallbacks.labels(stage="act", fallback="no_action").inc()
+            log.warning("actuator %s %s failed: %s", act.name, action, exc)
+            return ActuationResult(
+                act.name,
+                action,
+                [KeyOutcome(r.layer_key, Outcome.FAILED, f"{type(exc).__name__}: {exc}") for r in refs],
+            )
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """Cached labelled child (``labels()`` is too slow for the per-decision path)."""
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
+    def _record(self, d: Decision, rep: TickReport) -> None:
+        self.decisions.add(d)
+        rep.outcomes[d.outcome] += 1
+        self._child(self.metrics.decision_outcomes, d.action, d.outcome).inc()
+
+    # -- counterfactual scoring ----------------------------------------------------------------------------
+    def _score(self, now: float) -> None:
+        horizon = self.policy.shadow_horizon_s
+        idx = self.index
+        due = self.decisions.due(now - horizon, self.max_score_per_tick)
+        if not due:
+            return
+        for d in due:
+            s = idx.slot_of(d.block)
+            ok = s >= 0 and int(idx.hash[s]) == d.block
+            score(d, int(idx.freq[s]) if ok else None, now, horizon)
+        self.decisions.mark_scored(due)
+        m = self.metrics
+        m.shadow_scored.inc(len(due))
+        hits = [d for d in due if d.came_back and d.score and d.score > 0]
+        m.shadow_hits.inc(len(hits))
+        m.shadow_tokens.inc(sum(d.tokens for d in hits))
+        m.shadow_regrets.inc(sum(1 for d in due if d.came_back and not (d.score and d.score > 0)))
+
+    # -- running ---------------------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event, *, min_interval_s: float = 0.05) -> None:
+        """Tick every ``tick_interval_s`` (sooner when woken, at most every ``min_interval_s``) till stop."""
+        self._wake = asyncio.Event()
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self.tick), timeout=self.policy.tick_timeout_s)
+            except TimeoutError:
+                self.metrics.ticks.labels(outcome="timeout").inc()
+                self.errors["timeout"] += 1
+                log.warning("tick timed out after %.1f s", self.policy.tick_timeout_s)
+            wait = max(min_interval_s, self.policy.tick_interval_s - (time.monotonic() - started))
+            waker = asyncio.ensure_future(self._wake.wait())
+            stopper = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({waker, stopper}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            for f in (waker, stopper):
+                f.cancel()
+            self._wake.clear()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "tick": self.tick_no,
+            "last_tick": self.last.to_dict() if self.last else None,
+            "actuators": [
+                {
+                    "name": a.name,
+                    "capabilities": sorted(c.value for c in a.capabilities()),
+                    "health": {
+                        "breaker": (h := a.health()).breaker,
+                        "consecutive_failures": h.consecutive_failures,
+                        "last_error": h.last_error,
+                    },
+                }
+                for a in self.actuators
+            ],
+            "pins": len(self.pins),
+            "decisions": len(self.decisions),
+            "shadow": self.decisions.report.to_dict(),
+            "errors": dict(self.errors),
+            "predictor": self.predictor.info(),
+            "planner": {"budgets": self.planner.budget_state()},
+        }
+
+
+def _aggregate(key: str, res: ActuationResult) -> KeyOutcome:
+    """One outcome for a ref from the per-layer-key outcomes of a call about that ref alone."""
+    if not res.outcomes:
+        return KeyOutcome(key, Outcome.FAILED, "no outcome reported")
+    worst = (Outcome.FAILED if res.count(Outcome.FAILED) else
+             Outcome.APPLIED if res.count(Outcome.APPLIED) else Outcome.SKIPPED)  # fmt: skip
+    detail = "; ".join(f"{o.key}: {o.outcome.value} {o.detail}".strip() for o in res.outcomes[:4])
+    return KeyOutcome(key, worst, detail[:300])
+
+
+class _Phase:
+    """Child span + phase histogram for one tick phase."""
+
+    def __init__(self, loop: ReconcileLoop, name: str) -> None:
+        self.loop, self.name = loop, name
+        self._cm: Any = None
+        self._t0 = 0.0
+
+    def __enter__(self) -> _Phase:
+        self._cm = self.loop.tracer.start_as_current_span(f"kvtier.{self.name}")
+        self._cm.__enter__()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.loop.metrics.phase_seconds.labels(phase=self.name).observe(time.perf_counter() - self._t0)
+        self._cm.__exit__(*exc)

@@ -1,0 +1,145 @@
+"""The operator-facing policy document (``GET/PUT/PATCH /v1/policy``): validated, persisted, hot-swapped.
+
+Units are in the field names. :meth:`PolicyDoc.planner_config` turns it into the pure planner's config.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvtier.policies.planner import LinkBudget, PlannerConfig, TierSpec
+from kvtier.policies.tiers import Tier
+
+Mode = Literal["off", "shadow", "active"]
+LINK_PATTERN = r"^(gpu|cpu|disk|remote|none)->(gpu|cpu|disk|remote|none)$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TierConfig(_Strict):
+    tier: Tier = Field(description="kvtier tier name: gpu, cpu, disk or remote")
+    capacity_blocks: int = Field(ge=0, le=10**10, description="blocks the planner may place in this tier")
+    high_watermark: float = Field(
+        default=0.95, ge=0.0, le=1.0, description="fraction of capacity that triggers shedding"
+    )
+    low_watermark: float = Field(default=0.85, ge=0.0, le=1.0, description="fraction shedding stops at")
+    load_bandwidth_bytes_s: float = Field(
+        default=1e10, gt=0, le=1e15, description="measured load bandwidth into the engine, bytes/s"
+    )
+
+    @model_validator(mode="after")
+    def _marks(self) -> TierConfig:
+        if self.low_watermark > self.high_watermark:
+            raise ValueError(
+                f"tier {self.tier.value}: low_watermark ({self.low_watermark}) must be <= "
+                f"high_watermark ({self.high_watermark})"
+            )
+        return self
+
+
+class BudgetLimits(_Strict):
+    bytes_per_s: float = Field(default=1e9, ge=0, le=1e15, description="bytes per second")
+    ops_per_s: float = Field(default=100.0, ge=0, le=1e7, description="moves per second")
+    burst_s: float = Field(default=1.0, gt=0, le=3600, description="bucket depth in seconds of rate")
+
+
+class LinkBudgetConfig(BudgetLimits):
+    link: str = Field(pattern=LINK_PATTERN, description="'src->dst', tiers or 'none' (e.g. 'cpu->gpu')")
+
+
+class PredictorSettings(_Strict):
+    kind: Literal["heuristic", "learned"] = Field(
+        default="learned", description="learned falls back to heuristic until a model is trained"
+    )
+    tau_s: float = Field(default=300.0, gt=0, le=86400 * 30, description="heuristic recency scale, seconds")
+    retrain_interval_s: float = Field(
+        default=0.0, ge=0, le=86400 * 7, description="0 = retrain only on request"
+    )
+    horizon_s: float = Field(default=300.0, gt=0, le=86400, description="reuse label horizon, seconds")
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+
+
+class PolicyDoc(_Strict):
+    mode: Mode = Field(
+        default="shadow", description="off: observe only; shadow: decide and score; active: also act"
+    )
+    tiers: list[TierConfig] = Field(
+        default_factory=lambda: [
+            TierConfig(
+                tier=Tier.GPU,
+                capacity_blocks=48,
+                high_watermark=0.95,
+                low_watermark=0.85,
+                load_bandwidth_bytes_s=1e12,
+            ),
+            TierConfig(tier=Tier.CPU, capacity_blocks=100_000, load_bandwidth_bytes_s=2e10),
+        ],
+        max_length=4,
+    )
+    budgets: list[LinkBudgetConfig] = Field(default_factory=list, max_length=32)
+    default_budget: BudgetLimits = Field(default_factory=BudgetLimits)
+    hysteresis_s: float = Field(
+        default=30.0, ge=0, le=86400, description="no second move of a block within this"
+    )
+    pin_retry_s: float = Field(default=5.0, ge=0, le=86400, description="re-attempt an unmet pin after this")
+    min_gain_s: float = Field(default=0.0, ge=0, le=3600, description="a promotion must gain more than this")
+    reuse_threshold: float = Field(
+        default=0.05, ge=0, le=1, description="promote/admit only when P(reuse) >= this"
+    )
+    prefill_s_per_token: float = Field(
+        default=2e-4, gt=0, le=10, description="engine prefill cost, seconds/token"
+    )
+    block_size_tokens: int = Field(default=32, ge=1, le=65536, description="engine block size, tokens")
+    block_bytes: int = Field(
+        default=65536, ge=1, le=2**40, description="KV bytes per block when the index has none"
+    )
+    tick_interval_s: float = Field(default=1.0, gt=0, le=3600)
+    tick_timeout_s: float = Field(default=5.0, gt=0, le=3600)
+    shadow_horizon_s: float = Field(default=300.0, gt=0, le=86400, description="came-back window for scoring")
+    predictor: PredictorSettings = Field(default_factory=PredictorSettings)
+
+    @model_validator(mode="after")
+    def _unique(self) -> PolicyDoc:
+        seen = [t.tier for t in self.tiers]
+        if len(set(seen)) != len(seen):
+            raise ValueError(f"tiers must be unique, got {[t.value for t in seen]}")
+        links = [b.link for b in self.budgets]
+        if len(set(links)) != len(links):
+            raise ValueError(f"budget links must be unique, got {links}")
+        return self
+
+    def planner_config(self) -> PlannerConfig:
+        d = self.default_budget
+        return PlannerConfig(
+            tiers=tuple(
+                TierSpec(
+                    t.tier, t.capacity_blocks, t.high_watermark, t.low_watermark, t.load_bandwidth_bytes_s
+                )
+                for t in self.tiers
+            ),
+            budgets={b.link: LinkBudget(b.bytes_per_s, b.ops_per_s, b.burst_s) for b in self.budgets},
+            default_budget=LinkBudget(d.bytes_per_s, d.ops_per_s, d.burst_s),
+            prefill_s_per_token=self.prefill_s_per_token,
+            hysteresis_s=self.hysteresis_s,
+            pin_retry_s=self.pin_retry_s,
+            min_gain_s=self.min_gain_s,
+            reuse_threshold=self.reuse_threshold,
+        )
+
+    def merged(self, patch: dict[str, Any]) -> PolicyDoc:
+        """A new validated doc with ``patch`` merged in (objects merge, lists and scalars replace)."""
+        return PolicyDoc.model_validate(_merge(self.model_dump(mode="json"), patch))
+
+
+def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in patch.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out

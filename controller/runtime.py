@@ -1,0 +1,189 @@
+"""Wiring of the control plane: loop + store + pins + models + actuators + API context (no globals).
+
+``kvtier serve`` and the tests build it the same way; collectors own the index and feed it from KV events,
+and call :meth:`ControlPlane.on_block_stored` (tokens for warm-ups) and :meth:`ReconcileLoop.wake`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+from opentelemetry.trace import Tracer
+from prometheus_client import CollectorRegistry
+
+from kvtier.controller.actuators.base import Actuator
+from kvtier.controller.api import ControlContext, add_control_routes, engine_tokenizer
+from kvtier.controller.decisions import DecisionLog
+from kvtier.controller.loop import ReconcileLoop
+from kvtier.controller.metrics import ControllerMetrics
+from kvtier.controller.model import ModelManager
+from kvtier.controller.pins import PinSet
+from kvtier.controller.policy_doc import Mode, PolicyDoc
+from kvtier.controller.store import StateStore
+from kvtier.controller.tokens import TokenStore
+from kvtier.policies.index import BlockIndex
+
+log = logging.getLogger(__name__)
+
+ACTUATOR_NAMES = ("shadow", "vllm-warmup", "lmcache-mp", "mooncake", "lmcache-controller")
+
+
+def make_actuator(
+    name: str,
+    *,
+    engine_url: str | None,
+    engine_model: str,
+    lmcache_url: str | None = None,
+    options: dict[str, Any] | None = None,
+    **kw: Any,
+) -> Actuator:
+    """Build a named actuator (``--actuator NAME``). ``shadow`` and ``vllm-warmup`` are built here; the
+    cache-layer adapters come from :mod:`kvtier.controller.actuators.registry` with ``options`` (their
+    factory keyword arguments, ``KVTIER_ACTUATOR_OPTIONS``) plus ``url`` from ``--lmcache-url``."""
+    if name == "shadow":
+        from kvtier.controller.actuators.shadow import ShadowActuator
+
+        return ShadowActuator()
+    if name == "vllm-warmup":
+        if not engine_url:
+            raise ValueError("--actuator vllm-warmup needs --engine-url")
+        from kvtier.controller.actuators.vllm_warmup import VllmWarmupActuator
+
+        return VllmWarmupActuator(engine_url, engine_model, **kw)
+    from kvtier.controller.actuators import registry
+
+    opts = dict(options or {})
+    if name == "lmcache-mp" and "url" not in opts:
+        if not lmcache_url:
+            raise ValueError("--actuator lmcache-mp needs --lmcache-url")
+        opts["url"] = lmcache_url
+    if name not in registry.names():
+        raise ValueError(f"unknown actuator {name!r}; known: {', '.join(ACTUATOR_NAMES)}")
+    try:
+        return registry.build(name, **opts)
+    except TypeError as exc:
+        raise ValueError(
+            f"actuator {name!r}: bad or missing options ({exc}); set KVTIER_ACTUATOR_OPTIONS"
+        ) from exc
+
+
+@dataclass
+class ControlPlane:
+    loop: ReconcileLoop
+    ctx: ControlContext
+    store: StateStore
+    http: httpx.AsyncClient | None = None
+    _task: asyncio.Task[None] | None = None
+    _retrain_task: asyncio.Task[None] | None = None
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def on_block_stored(
+        self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int
+    ) -> None:
+        """Feed a ``BlockStored`` event's tokens (for warm-ups) and wake the loop."""
+        self.loop.tokens.on_block_stored(hashes, parent, token_ids, block_size)
+        self.loop.wake()
+
+    def mount(self, app: FastAPI, *, with_status: bool = False) -> None:
+        add_control_routes(app, self.ctx, with_status=with_status)
+
+    async def start(self) -> None:
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(self.loop.run(self._stop))
+        self._retrain_task = asyncio.create_task(self._retrain_periodically())
+
+    async def _retrain_periodically(self) -> None:
+        """Retrain every ``predictor.retrain_interval_s`` (0 = only on ``POST /v1/model/retrain``)."""
+        while not self._stop.is_set():
+            every = self.loop.policy.predictor.retrain_interval_s
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=every if every > 0 else 60.0)
+            if self._stop.is_set() or every <= 0:
+                continue
+            try:
+                await asyncio.to_thread(self.ctx.models.retrain)
+            except ModelManager.NotTrainable as exc:
+                log.info("periodic retrain skipped: %s", exc)
+            except Exception:  # noqa: BLE001 - keep serving with the current model
+                log.exception("periodic retrain failed")
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._retrain_task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._retrain_task, timeout=5)
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._task, timeout=self.loop.policy.tick_timeout_s + 5)
+        for a in self.loop.actuators:
+            with contextlib.suppress(Exception):
+                a.close()
+        if self.http is not None:
+            await self.http.aclose()
+        self.store.close()
+
+
+def build_control_plane(
+    index: BlockIndex,
+    *,
+    registry: CollectorRegistry,
+    state_dir: str | Path,
+    mode: Mode | None = None,
+    actuators: Sequence[Actuator] = (),
+    tracer: Tracer | None = None,
+    clock: Callable[[], float] = time.time,
+    api_token: str | None = None,
+    engine_url: str | None = None,
+    engine_model: str = "",
+    http: httpx.AsyncClient | None = None,
+    policy: PolicyDoc | None = None,
+) -> ControlPlane:
+    """Restore persisted policy/pins/model from ``state_dir``; ``mode`` (CLI) overrides the stored mode."""
+    store = StateStore(state_dir)
+    metrics = ControllerMetrics(registry, layers=[a.name for a in actuators])
+    doc = policy or PolicyDoc()
+    loop = ReconcileLoop(
+        index,
+        policy=doc,
+        actuators=actuators,
+        pins=PinSet(),
+        tokens=TokenStore(),
+        decisions=DecisionLog(),
+        metrics=metrics,
+        tracer=tracer,
+        clock=clock,
+        model=engine_model,
+    )
+    models = ModelManager(loop, store)
+    tokenizer = None
+    if engine_url:
+        http = http or httpx.AsyncClient(timeout=10.0)
+        tokenizer = engine_tokenizer(engine_url, http)
+    ctx = ControlContext(
+        loop, store, models, api_token=api_token, tokenizer=tokenizer, engine_model=engine_model, clock=clock
+    )
+    ctx.restore()
+    if mode is not None:
+        loop.set_policy((loop._pending_policy or loop.policy).model_copy(update={"mode": mode}))
+    loop._commit_policy()
+    models.maybe_snapshot()
+    return ControlPlane(loop, ctx, store, http)
+
+
+def create_control_app(plane: ControlPlane, registry: CollectorRegistry) -> FastAPI:
+    """A standalone app (policy API, /metrics, /v1/status); the sidecar mounts the same routes on its own."""
+    from prometheus_client import make_asgi_app
+
+    app = FastAPI(title="kvtier control", version="0.1.0")
+    plane.mount(app, with_status=True)
+    app.mount("/metrics", make_asgi_app(registry=registry))
+    return app

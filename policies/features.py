@@ -1,0 +1,96 @@
+"""Causal per-access features for the learned reuse predictor (pure numpy, no I/O).
+
+One row per block access of a request, built only from state observed *before* the request:
+the request's own shape (length, output, how much of it was already known) and each block's
+history (frequency, gap since its previous access, branching, the turn that wrote it).
+
+The separating signal on multi-turn chat traces is turn structure: the next turn of a
+conversation re-reads the previous prompt's *full* blocks, so the partial tail block of a request
+is almost never reused, and whether a chain continues depends on how it has been extended so far.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+FEATURE_NAMES: tuple[str, ...] = (
+    "pos_from_end",  # blocks between this one and the request's last block (0 = last)
+    "partial_tail",  # 1 if this is the request's last block and it is not full (next turn rewrites it)
+    "depth",  # position in the chain, 0 = root
+    "request_blocks",  # blocks in the request
+    "log_output_tokens",  # log1p(output_length)
+    "known_blocks",  # blocks of the request already seen before it arrived (shared prefix length)
+    "new_blocks",  # blocks of the request never seen before
+    "turn",  # 1 + turn of the deepest already-known block (how often this chain was extended)
+    "log_turn_gap_s",  # log1p(seconds since the deepest known block was last accessed); -1 if fresh
+    "log_freq",  # log1p(accesses of this block before this one)
+    "log_gap_s",  # log1p(seconds since this block's previous access); -1 on first touch
+    "log_children",  # log1p(distinct children this block has had so far)
+    "first_touch",  # 1 if this block was never seen before
+    "tail_x_first",  # crossed: min(pos_from_end, 3) * 2 + first_touch  (categorical 0..7)
+)
+N_FEATURES = len(FEATURE_NAMES)
+
+
+def request_features(
+    *,
+    now_ms: float,
+    input_length: int,
+    output_length: int,
+    block_tokens: int,
+    known_blocks: int,
+    turn: int,
+    turn_last_ms: float,
+    freq: IntArray,
+    last_ms: FloatArray,
+    children: IntArray,
+) -> FloatArray:
+    """Feature matrix, shape (blocks, N_FEATURES), for one request.
+
+    ``freq``/``last_ms``/``children`` are the per-block state *before* this request (freq 0 = never
+    seen; last_ms ignored then). ``known_blocks`` is the length of the request's already-seen prefix,
+    ``turn``/``turn_last_ms`` the turn number and last access time (ms) of the deepest known block
+    (turn 0 / NaN when nothing is known). Times are milliseconds.
+    """
+    n = int(freq.shape[0])
+    out = np.empty((n, N_FEATURES), dtype=np.float64)
+    if n == 0:
+        return out
+    j = np.arange(n, dtype=np.float64)
+    pos_from_end = (n - 1) - j
+    tail_tokens = input_length - (n - 1) * block_tokens
+    partial = (pos_from_end == 0) & (tail_tokens < block_tokens)
+    first = freq == 0
+    out[:, 0] = np.minimum(pos_from_end, 64.0)
+    out[:, 1] = partial
+    out[:, 2] = np.minimum(j, 512.0)
+    out[:, 3] = n
+    out[:, 4] = np.log1p(max(output_length, 0))
+    out[:, 5] = known_blocks
+    out[:, 6] = n - known_blocks
+    out[:, 7] = turn + 1
+    out[:, 8] = (
+        -1.0
+        if known_blocks == 0 or not np.isfinite(turn_last_ms)
+        else np.log1p(max(now_ms - turn_last_ms, 0.0) / 1000.0)
+    )
+    out[:, 9] = np.log1p(freq)
+    gap = np.where(first, -1.0, np.log1p(np.maximum(now_ms - last_ms, 0.0) / 1000.0))
+    out[:, 10] = gap
+    out[:, 11] = np.log1p(children)
+    out[:, 12] = first
+    out[:, 13] = np.minimum(pos_from_end, 3.0) * 2.0 + first
+    return out
+
+
+def fallback_logit(feats: FloatArray) -> FloatArray:
+    """Heuristic reuse log-odds used until the model is trained (unitless).
+
+    A partial tail block (the next turn rewrites it) is unlikely to return; blocks seen more than once
+    are likelier to return again.
+    """
+    return -1.0 - 3.0 * feats[:, 1] + 0.5 * np.minimum(feats[:, 9], 3.0)

@@ -1,0 +1,423 @@
+"""``learned``: reuse predictor + prefix-closed planner (admission by bypass, leaf-first eviction).
+
+The predictor models the log-odds that a block is accessed again within the horizon ``h`` given its
+last access's features ``x`` and its age ``a`` as ``f(x) - a / tau``: ``f`` is a binned logistic
+model (a GAM) and ``tau`` (seconds) a learned linear age coefficient. Ranking resident blocks by their
+current odds is then ranking by the *static* key ``f(x) + t / tau`` (t = last access, seconds), so a
+heap serves eviction. Eviction pops the smallest key among resident leaves only (never a block whose
+child stays resident; the in-flight request's blocks are ancestors of the block being inserted), so the
+resident set stays prefix-closed. Admission is a bypass: a missed block is inserted and, if it is itself
+the smallest key, dropped again with the rest of the request.
+
+Causal: a training row is (features of an access, age a) -> "next access in (a, a + h]", used only
+once ``a + h`` has passed; ``h`` and the ages follow the cache's own time scale (ages of recently
+evicted blocks). Until the first fit, a heuristic (tail penalty, frequency bonus, ``tau`` = 60 s) is
+used. Refit every ``retrain_every`` requests on a bounded seeded sample. Pure, no I/O; numpy state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.policies.base import HitMask, Policy, Request
+from kvtier.policies.features import FEATURE_NAMES, N_FEATURES, fallback_logit, request_features
+from kvtier.policies.keyed_planner import KeyedPlanner
+from kvtier.policies.predictor import BinnedLogit, auc, brier, reliability, sigmoid
+
+_I64 = np.int64
+
+
+class LearnedPolicy(Policy):
+    """Learned reuse predictor driving prefix-closed admission and leaf-first eviction."""
+
+    name = "learned"
+
+    def __init__(
+        self,
+        capacity_blocks: int,
+        *,
+        seed: int = 0,
+        horizon_s: float = 300.0,
+        retrain_every: int = 1000,
+        max_train: int = 8000,
+        min_class: int = 200,
+        tau_mode: str = "gap",
+        expert_mults: tuple[float, ...] = (0.25, 1.0, 4.0, 32.0),
+        switch_every: int = 100,
+        switch_margin: float = 1.01,
+        shadow_rate: float = 0.25,
+        expert_decay: float = 0.998,
+        event_buffer: int = 1 << 18,
+    ) -> None:
+        super().__init__(capacity_blocks, seed=seed)
+        self.horizon_ms = horizon_s * 1000.0
+        self.retrain_every = retrain_every
+        self.max_train = max_train
+        self.min_class = min_class
+        self.tau_mode = tau_mode
+        self.switch_every = switch_every
+        self.switch_margin = switch_margin
+        self.expert_decay = expert_decay
+        self.fallback_tau_s = 60.0
+        self.tau_s = self.fallback_tau_s
+        self._train_rng = np.random.default_rng(seed + 1)
+        self.model = BinnedLogit(seed=seed, linear_cols=(FEATURE_NAMES.index("log_freq"),))
+        # block state, indexed by dense slot
+        self._slot: dict[int, int] = {}
+        cap0 = 1024
+        self._ids = np.zeros(cap0, dtype=_I64)
+        self._parent = np.full(cap0, -1, dtype=_I64)
+        self._children = np.zeros(cap0, dtype=_I64)
+        self._freq = np.zeros(cap0, dtype=_I64)
+        self._last_ms = np.zeros(cap0, dtype=np.float64)
+        self._turn = np.zeros(cap0, dtype=_I64)
+        self._last_event = np.full(cap0, -1, dtype=_I64)
+        self._n_slots = 0
+        # the real cache follows the best recent of its shadows, which differ only in the recency scale
+        self._real = KeyedPlanner(capacity_blocks, 1.0, cap0)
+        # shadows are miniature simulations (Waldspurger et al., ATC'17): they see only the chains whose
+        # first block below the root hashes into a ``shadow_rate`` sample, with capacity scaled alike
+        self.shadow_rate = shadow_rate
+        self._shadow_cut = int(shadow_rate * (1 << 24))
+        shadow_cap = max(1, round(capacity_blocks * shadow_rate))
+        self._shadows = [KeyedPlanner(shadow_cap, m, cap0) for m in expert_mults]
+        self._switches = 0
+        self._views()
+        self._evict_age = np.zeros(4096, dtype=np.float64)  # ages (ms) of recently evicted blocks
+        self._n_evict_age = 0
+        # ring of past accesses (features + outcome) for training and self-evaluation
+        self._E = event_buffer
+        self._ev_x = np.zeros((self._E, N_FEATURES), dtype=np.float32)
+        self._ev_t = np.zeros(self._E, dtype=np.float64)
+        self._ev_y = np.zeros(self._E, dtype=bool)
+        self._ev_gap = np.zeros(self._E, dtype=np.float64)
+        self._ev_zm = np.full(self._E, np.nan, dtype=np.float64)  # model log-odds at decision time
+        self._ev_zf = np.zeros(self._E, dtype=np.float64)  # fallback log-odds at decision time
+        self._n_events = 0
+        self._evaluated_upto = 0  # events before this index are already scored for quality
+        self._requests = 0
+        # quality accumulators (bounded: most recent labelled, model-predicted events)
+        self._q_keep = 200_000
+        self._q_z: list[npt.NDArray[np.float64]] = []
+        self._q_zf: list[npt.NDArray[np.float64]] = []
+        self._q_y: list[npt.NDArray[np.bool_]] = []
+        self._q_first: list[npt.NDArray[np.bool_]] = []
+        self._windows = 0
+        self._windows_beat = 0
+        self._n_retrains = 0
+
+    # ----------------------------------------------------------------- state helpers
+    def _grow(self, need: int) -> None:
+        size = self._ids.shape[0]
+        if need <= size:
+            return
+        new = max(need, 2 * size)
+        for name, fill in (
+            ("_ids", 0),
+            ("_parent", -1),
+            ("_children", 0),
+            ("_freq", 0),
+            ("_last_ms", 0.0),
+            ("_turn", 0),
+            ("_last_event", -1),
+        ):
+            old = getattr(self, name)
+            arr = np.full(new, fill, dtype=old.dtype)
+            arr[:size] = old
+            setattr(self, name, arr)
+        for pl in (self._real, *self._shadows):
+            pl.grow(new)
+        self._views()
+
+    def _views(self) -> None:
+        """Memoryviews over the per-block arrays: fast scalar access in the planner's Python loops."""
+        self._v_par = self._parent.data
+
+    def _slots_for(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        get = self._slot.get
+        out = np.empty(ids.shape[0], dtype=_I64)
+        prev = -1
+        for i, b in enumerate(ids.tolist()):
+            s = get(b)
+            if s is None:
+                s = self._n_slots
+                self._n_slots += 1
+                if s >= self._ids.shape[0]:
+                    self._grow(s + 1)
+                self._slot[b] = s
+                self._ids[s] = b
+                self._parent[s] = prev
+                if prev >= 0:
+                    self._children[prev] += 1
+            out[i] = s
+            prev = s
+        return out
+
+    # ----------------------------------------------------------------- Policy API
+    def contains(self, block: int) -> bool:
+        s = self._slot.get(int(block))
+        return s is not None and bool(self._real.resident[s])
+
+    def __len__(self) -> int:
+        return self._real.n_resident
+
+    def access(self, req: Request) -> HitMask:
+        now = float(req.timestamp_ms)
+        ids = np.asarray(req.hash_ids, dtype=_I64)
+        n = ids.shape[0]
+        self._requests += 1
+        if n == 0:
+            self._maybe_retrain(now)
+            return np.zeros(0, dtype=bool)
+        slots = self._slots_for(ids)
+        freq = self._freq[slots]
+        unseen = np.flatnonzero(freq == 0)
+        known = int(unseen[0]) if unseen.size else n
+        if known > 0:
+            deep = slots[known - 1]
+            turn, turn_last = int(self._turn[deep]), float(self._last_ms[deep])
+        else:
+            turn, turn_last = 0, float("nan")
+        x = request_features(
+            now_ms=now,
+            input_length=req.input_length,
+            output_length=req.output_length,
+            block_tokens=req.block_tokens,
+            known_blocks=known,
+            turn=turn,
+            turn_last_ms=turn_last,
+            freq=freq,
+            last_ms=self._last_ms[slots],
+            children=self._children[slots],
+        )
+        zf = fallback_logit(x)
+        z = self.model.predict_logit(x) if self.model.trained else zf
+        self._record_events(slots, freq, x, z, zf, now)
+        self._freq[slots] = freq + 1
+        new = freq == 0
+        if new.any():
+            self._turn[slots[new]] = turn + 1
+        now_s = now / 1000.0
+        ev: list[int] = []
+        hit = self._real.serve(slots, z + now_s / (self.tau_s * self._real.mult), self._v_par, ev)
+        if ev:
+            es = np.asarray(ev, dtype=_I64)
+            self._evicted.extend(self._ids[es].tolist())
+            k = self._evict_age.shape[0]
+            self._evict_age[(self._n_evict_age + np.arange(es.size)) % k] = now - self._last_ms[es]
+            self._n_evict_age += es.size
+        self._last_ms[slots] = now
+        decay = self.expert_decay
+        chain = int(ids[1]) if n > 1 else int(ids[0])
+        sampled = (((chain * 0x9E3779B97F4A7C15 + self.seed) & 0xFFFFFFFFFFFFFFFF) >> 40) < self._shadow_cut
+        for sh in self._shadows if sampled else ():
+            h = sh.serve(slots, z + now_s / (self.tau_s * sh.mult), self._v_par, None)
+            lead = n if h.all() else int(np.argmin(h))
+            sh.score = sh.score * decay + (req.input_length if lead == n else lead * req.block_tokens)
+        if self._shadows and self._requests % self.switch_every == 0:
+            self._follow_leader()
+        self._maybe_retrain(now)
+        return hit
+
+    def _follow_leader(self) -> None:
+        """Switch the real cache's recency scale to the best recent shadow's (if clearly better)."""
+        best = max(self._shadows, key=lambda p: p.score)
+        cur = [p for p in self._shadows if p.mult == self._real.mult]
+        cur_score = cur[0].score if cur else 0.0
+        if best.mult != self._real.mult and best.score > self.switch_margin * cur_score:
+            self._real.mult = best.mult
+            self._switches += 1
+            self._rekey([self._real])
+
+    # ----------------------------------------------------------------- learning
+    def _record_events(
+        self,
+        slots: npt.NDArray[np.int64],
+        freq: npt.NDArray[np.int64],
+        x: npt.NDArray[np.float64],
+        z: npt.NDArray[np.float64],
+        zf: npt.NDArray[np.float64],
+        now: float,
+    ) -> None:
+        E = self._E
+        # label the previous access of re-touched blocks (reuse within the horizon)
+        prev = self._last_event[slots]
+        live = (prev >= 0) & (prev > self._n_events - E)
+        if live.any():
+            pe = prev[live] % E
+            gap = now - self._ev_t[pe]
+            self._ev_gap[pe] = gap
+            ok = gap <= self.horizon_ms
+            self._ev_y[pe[ok]] = True
+        n = slots.shape[0]
+        ev = np.arange(self._n_events, self._n_events + n, dtype=_I64)
+        pos = ev % E
+        self._ev_x[pos] = x
+        self._ev_t[pos] = now
+        self._ev_y[pos] = False
+        self._ev_gap[pos] = np.inf
+        self._ev_zm[pos] = z if self.model.trained else np.nan
+        self._ev_zf[pos] = zf
+        self._last_event[slots] = ev
+        self._n_events += n
+
+    def _labelled_range(self, hi_cut: float) -> tuple[int, int]:
+        """Event indices [lo, hi) with access time <= ``hi_cut`` (ms) that are still in the ring."""
+        lo = max(0, self._n_events - self._E)
+        # events are time-ordered: binary search over the ring window
+        idx = np.arange(lo, self._n_events, dtype=_I64)
+        t = self._ev_t[idx % self._E]
+        hi = lo + int(np.searchsorted(t, hi_cut, side="right"))
+        return lo, hi
+
+    def _maybe_retrain(self, now: float) -> None:
+        if self._requests % self.retrain_every != 0:
+            return
+        lo, hi = self._labelled_range(now - self.horizon_ms)
+        if hi > lo:
+            self._score_quality(max(lo, self._evaluated_upto), hi)
+            self._evaluated_upto = hi
+        hz = self.train_horizon_ms()
+        lo, hi = self._labelled_range(now - hz)
+        if hi <= lo:
+            return
+        start = max(lo, hi - 4 * self.max_train)
+        idx = np.arange(start, hi, dtype=_I64)
+        if idx.size > self.max_train:
+            idx = np.sort(self._train_rng.choice(idx, size=self.max_train, replace=False))
+        pos = idx % self._E
+        t = self._ev_t[pos]
+        gap = self._ev_gap[pos]
+        # half the rows at age 0 (admission), half at ages of recently evicted blocks (eviction)
+        age = np.zeros(idx.size)
+        k = min(self._n_evict_age, self._evict_age.shape[0])
+        if k:
+            half = self._train_rng.random(idx.size) < 0.5
+            age[half] = self._evict_age[self._train_rng.integers(0, k, size=int(half.sum()))]
+        ok = (gap > age) & (t + age + hz <= now)  # not yet reused at that age; label final
+        y = (gap <= age + hz)[ok]
+        npos = int(y.sum())
+        if npos < self.min_class or y.size - npos < self.min_class:
+            return
+        self.model.fit(self._ev_x[pos[ok]].astype(np.float64), y, extra=(age[ok] / 100_000.0)[:, None])
+        self._n_retrains += 1
+        beta = float(self.model.extra_coef[0]) / 100.0  # log-odds per second of age
+        if self.tau_mode == "learned":
+            self.tau_s = float(np.clip(-1.0 / beta, 1.0, 1e6)) if beta < 0 else 1e6
+        elif self.tau_mode == "evict":
+            self.tau_s = hz / 4000.0
+        else:  # "gap": mean observed reuse gap within the horizon
+            g = gap[(gap <= hz)]
+            self.tau_s = float(np.clip(g.mean() / 1000.0, 1.0, hz / 1000.0)) if g.size else self.tau_s
+        self._rekey([self._real, *self._shadows])
+
+    def _rekey(self, planners: list[KeyedPlanner]) -> None:
+        """Recompute resident blocks' keys with the current model and tau (from stored access features)."""
+        n = self._n_slots
+        mask = np.zeros(n, dtype=bool)
+        for pl in planners:
+            mask |= pl.resident[:n]
+        res = np.flatnonzero(mask)
+        z = np.full(n, -10.0)  # a block whose access fell out of the ring: treat as cold
+        if res.size:
+            ev = self._last_event[res]
+            live = ev > self._n_events - self._E
+            x = self._ev_x[ev[live] % self._E].astype(np.float64)
+            z[res[live]] = self.model.predict_logit(x) if self.model.trained else fallback_logit(x)
+        last_s = self._last_ms[:n] / 1000.0
+        for pl in planners:
+            pl.rekey(z, last_s, self.tau_s)
+
+    def train_horizon_ms(self) -> float:
+        """Training label horizon, ms: the cache's own time scale (mean age of recently evicted blocks),
+        bounded to [``horizon_s``, 2 x ``horizon_s``]; ``horizon_s`` until anything was evicted."""
+        k = min(self._n_evict_age, self._evict_age.shape[0])
+        if k == 0:
+            return self.horizon_ms
+        return float(np.clip(self._evict_age[:k].mean(), self.horizon_ms, 2.0 * self.horizon_ms))
+
+    def _score_quality(self, lo: int, hi: int) -> None:
+        if hi <= lo:
+            return
+        pos = np.arange(lo, hi, dtype=_I64) % self._E
+        zm = self._ev_zm[pos]
+        m = ~np.isnan(zm)
+        if not m.any():
+            return
+        y = self._ev_y[pos][m]
+        zf = self._ev_zf[pos][m]
+        zmm = zm[m]
+        self._q_z.append(zmm)
+        self._q_zf.append(zf)
+        self._q_y.append(y)
+        self._q_first.append(self._ev_x[pos, FEATURE_NAMES.index("first_touch")][m] > 0.5)
+        a_m, a_f = auc(y, zmm), auc(y, zf)
+        if a_m is not None and a_f is not None:
+            self._windows += 1
+            self._windows_beat += int(a_m > a_f)
+        total = sum(len(a) for a in self._q_y)
+        while total > self._q_keep and len(self._q_y) > 1:
+            total -= len(self._q_y[0])
+            for lst in (self._q_z, self._q_zf, self._q_y, self._q_first):
+                lst.pop(0)
+
+    # ----------------------------------------------------------------- reporting
+    def quality(self) -> dict[str, Any]:
+        """Out-of-sample quality of the predictor on accesses whose horizon has passed.
+
+        Each access is scored by the model that was live when it was served, before its label existed.
+        """
+        if not self._q_y:
+            return {"trained": self.model.trained, "retrains": self._n_retrains, "scored_accesses": 0}
+        y = np.concatenate(self._q_y)
+        z = np.concatenate(self._q_z)
+        zf = np.concatenate(self._q_zf)
+        first = np.concatenate(self._q_first)
+        p = sigmoid(z)
+        return {
+            "trained": self.model.trained,
+            "retrains": self._n_retrains,
+            "scored_accesses": int(y.size),
+            "positive_rate": float(y.mean()),
+            "horizon_s": self.horizon_ms / 1000.0,
+            "train_horizon_s": self.train_horizon_ms() / 1000.0,
+            "tau_s": self.tau_s,
+            "recency_mult": self._real.mult,
+            "expert_switches": self._switches,
+            "expert_scores": {str(p.mult): p.score for p in self._shadows},
+            "auc": auc(y, z),
+            "auc_first_touch": auc(y[first], z[first]),
+            "auc_retouched": auc(y[~first], z[~first]),
+            "fallback_auc": auc(y, zf),
+            "brier": brier(y, p),
+            "fallback_brier": brier(y, sigmoid(zf)),
+            "reliability": reliability(y, p),
+            "windows": self._windows,
+            "windows_beat_fallback": self._windows_beat,
+            "beat_fallback_rate": (self._windows_beat / self._windows) if self._windows else None,
+        }
+
+    def explain(self, block: int) -> dict[str, Any]:
+        s = self._slot.get(int(block))
+        if s is None:
+            return {"known": False}
+        e = int(self._last_event[s])
+        out: dict[str, Any] = {
+            "known": True,
+            "resident": bool(self._real.resident[s]),
+            "leaf": bool(self._real.res_children[s] == 0),
+            "key": float(self._real.key[s]),
+            "freq": int(self._freq[s]),
+            "last_access_ms": float(self._last_ms[s]),
+            "model_trained": self.model.trained,
+        }
+        if e >= 0 and e > self._n_events - self._E:
+            pos = e % self._E
+            x = self._ev_x[pos].astype(np.float64)
+            out["features"] = dict(zip(FEATURE_NAMES, x.tolist(), strict=True))
+            zz = self.model.predict_logit(x[None, :]) if self.model.trained else fallback_logit(x[None, :])
+            out["reuse_probability_at_access"] = float(sigmoid(zz)[0])
+        return out

@@ -1,0 +1,522 @@
+"""Budgeted tier planner: observed placement + predicted reuse -> the moves worth making this tick.
+
+Pure decision code (no I/O, no wall clock: ``now_s`` comes in on every call). Vectorised with numpy so a
+tick over 1M tracked blocks stays within a few tens of milliseconds.
+
+Value of holding a block at tier ``t`` (seconds of prefill saved, expected)::
+
+    v_t = P(reuse) * (tokens * prefill_s_per_token - bytes / load_bandwidth_bytes_s[t])
+
+and a move ``s -> t`` is worth ``v_t - v_s`` (``v`` of "not resident" is 0). Per tick the planner
+
+1. honours the pinned set first: a pinned block is never demoted or evicted from its pin tier, and a pinned
+   block not yet in its tier is promoted / admitted there ahead of everything else;
+2. enforces watermarks: a tier above ``high_watermark * capacity`` sheds its lowest-value unpinned blocks
+   down to ``low_watermark * capacity`` (``evict`` when a slower copy exists, else ``demote`` one tier down;
+   never the last copy of a block);
+3. fills free room below the high watermark with the highest-gain promotions / prefetches / admissions;
+4. spends per tier-link token buckets (bytes/s and ops/s, refilled with the time since the last tick)
+   on those moves, highest value first; what does not fit is deferred (counted), not planned.
+
+Hysteresis: a block that was moved (``commit``) less than ``hysteresis_s`` ago is not moved again (pins:
+``pin_retry_s``), and promotions need ``gain > min_gain_s``; together with the high/low watermark gap this
+stops ping-pong.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.policies.tiers import TIER_ORDER, Tier
+
+Action = Literal["promote", "demote", "prefetch", "pin", "evict", "admit"]
+ACTIONS: tuple[Action, ...] = ("promote", "demote", "prefetch", "pin", "evict", "admit")
+NOWHERE = "none"  # link end for admissions (recompute / load from outside) and evictions
+
+
+_BITS = {t: 1 << i for i, t in enumerate(TIER_ORDER)}
+# residency mask -> rank of its fastest tier (len(TIER_ORDER) when empty), as a 256-entry lookup table
+_FIRST_RANK = np.array(
+    [next((r for r in range(len(TIER_ORDER)) if m >> r & 1), len(TIER_ORDER)) for m in range(256)], np.int8
+)
+_RANK = {t: i for i, t in enumerate(TIER_ORDER)}
+
+
+def tier_bit(tier: Tier) -> int:
+    """Bit of ``tier`` in a residency mask (gpu=1, cpu=2, disk=4, remote=8)."""
+    return _BITS[tier]
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    """One managed tier. ``capacity_blocks`` is what the planner may fill; watermarks are fractions."""
+
+    tier: Tier
+    capacity_blocks: int
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    load_bandwidth_bytes_s: float = 1e10  # measured load bandwidth from this tier into the engine, bytes/s
+
+    def __post_init__(self) -> None:
+        if self.capacity_blocks < 0:
+            raise ValueError(f"{self.tier}: capacity_blocks must be >= 0")
+        if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
+            raise ValueError(f"{self.tier}: need 0 <= low_watermark <= high_watermark <= 1")
+        if self.load_bandwidth_bytes_s <= 0:
+            raise ValueError(f"{self.tier}: load_bandwidth_bytes_s must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class LinkBudget:
+    """Quota of one tier link (``src->dst``): refill rates and bucket depth (``burst_s`` seconds of rate)."""
+
+    bytes_per_s: float = 1e9
+    ops_per_s: float = 100.0
+    burst_s: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    """Planner knobs; ``tiers`` are the managed tiers (any order; sorted fastest first)."""
+
+    tiers: tuple[TierSpec, ...]
+    budgets: Mapping[str, LinkBudget] = field(default_factory=dict)  # "cpu->gpu" -> budget
+    default_budget: LinkBudget = LinkBudget()
+    prefill_s_per_token: float = 2e-4  # engine prefill cost, seconds per token
+    hysteresis_s: float = 30.0  # no second move of a block within this many seconds
+    pin_retry_s: float = 5.0  # re-attempt an unmet pin after this many seconds
+    min_gain_s: float = 0.0  # a promotion must gain more than this (expected seconds)
+    reuse_threshold: float = 0.05  # promote / admit only when P(reuse) >= this
+    max_candidates_per_tier: int = 4096  # bound on per-tier candidates ranked per tick (tick latency)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tiers", tuple(sorted(self.tiers, key=lambda s: s.tier.rank)))
+        if len({s.tier for s in self.tiers}) != len(self.tiers):
+            raise ValueError("duplicate tier in planner config")
+
+    def budget(self, link: str) -> LinkBudget:
+        return self.budgets.get(link, self.default_budget)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockView:
+    """Observed state, one row per tracked block (all arrays the same length).
+
+    ``tier_mask``: bit ``tier.rank`` set when a copy is resident there (see :func:`tier_bit`); 0 = tracked
+    but not resident anywhere. ``tokens``: tokens of the prefix this block completes that a hit saves from
+    prefill (block size for a plain block). ``nbytes``: KV bytes of the block. ``p_reuse``: predicted
+    probability of reuse. ``admittable``: tokens are known, so the block can be re-created (warm-up).
+    """
+
+    hashes: npt.NDArray[np.int64]
+    tier_mask: npt.NDArray[np.uint8]
+    tokens: npt.NDArray[np.int32]
+    nbytes: npt.NDArray[np.int64]
+    p_reuse: npt.NDArray[np.float32]
+    admittable: npt.NDArray[np.bool_]
+    lookup: Callable[[int], int] | None = None  # block -> row (-1 if absent); faster than a scan
+
+    def rows_all(self, blocks: Collection[int]) -> npt.NDArray[np.int64]:
+        """Row of each block, -1 where absent (aligned with ``blocks``)."""
+        if self.lookup is not None:
+            get = self.lookup
+            return np.fromiter((get(b) for b in blocks), np.int64, len(blocks))
+        keys = np.fromiter(blocks, np.int64, len(blocks))
+        if len(self) == 0:
+            return np.full(len(keys), -1, np.int64)
+        order = np.argsort(self.hashes, kind="stable")
+        pos = np.searchsorted(self.hashes, keys, sorter=order)
+        pos = np.minimum(pos, max(0, len(self) - 1))
+        rows = order[pos]
+        return np.where(self.hashes[rows] == keys, rows, -1).astype(np.int64)
+
+    def rows_of(self, blocks: Collection[int]) -> npt.NDArray[np.int64]:
+        """Rows of the given blocks that are in the view (absent ones dropped)."""
+        if not blocks:
+            return np.zeros(0, np.int64)
+        if self.lookup is not None:
+            get = self.lookup
+            rows = np.fromiter((get(b) for b in blocks), np.int64, len(blocks))
+            return rows[rows >= 0]
+        return np.flatnonzero(np.isin(self.hashes, np.fromiter(blocks, np.int64, len(blocks))))
+
+    def __len__(self) -> int:
+        return int(self.hashes.shape[0])
+
+    @staticmethod
+    def empty() -> BlockView:
+        return BlockView(
+            np.zeros(0, np.int64),
+            np.zeros(0, np.uint8),
+            np.zeros(0, np.int32),
+            np.zeros(0, np.int64),
+            np.zeros(0, np.float32),
+            np.zeros(0, np.bool_),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One planned tier change. ``src``/``dst`` None = outside the tiers (admit from recompute, evict)."""
+
+    action: Action
+    block: int
+    src: Tier | None
+    dst: Tier | None
+    value_s: float  # expected seconds saved (>0) or lost (<0) by the move
+    nbytes: int
+    pinned: bool = False
+
+    @property
+    def link(self) -> str:
+        return f"{self.src.value if self.src else NOWHERE}->{self.dst.value if self.dst else NOWHERE}"
+
+
+@dataclass(slots=True)
+class Plan:
+    """Planner output: moves within budget (highest value first per class) and why others were not."""
+
+    moves: list[Move] = field(default_factory=list)
+    tried: Counter[str] = field(default_factory=Counter)  # action -> candidates that qualified
+    deferred: Counter[str] = field(default_factory=Counter)  # action -> cut by link budget
+    held: Counter[str] = field(default_factory=Counter)  # reason -> blocks held (hysteresis, pin, last copy)
+    tier_usage: dict[str, int] = field(default_factory=dict)  # tier -> resident blocks observed
+
+
+@dataclass(slots=True)
+class _Bucket:
+    bytes: float
+    ops: float
+    at_s: float
+
+
+class Planner:
+    """Stateful only in its token buckets and the last-move times (both fed by the caller's clock)."""
+
+    def __init__(self, config: PlannerConfig) -> None:
+        self.config = config
+        self._buckets: dict[str, _Bucket] = {}
+        # block -> (now_s, move, bits it clears, bits it sets), ordered by commit time
+        self._last_move: dict[int, tuple[float, Move, int, int]] = {}
+
+    def reconfigure(self, config: PlannerConfig) -> None:
+        """Swap the config at a tick boundary (buckets are kept, clipped to the new depth)."""
+        self.config = config
+
+    # -- budgets -----------------------------------------------------------------------------------------
+    def _bucket(self, link: str, now_s: float) -> _Bucket:
+        b = self.config.budget(link)
+        cap_bytes, cap_ops = b.bytes_per_s * b.burst_s, b.ops_per_s * b.burst_s
+        bk = self._buckets.get(link)
+        if bk is None:
+            bk = self._buckets[link] = _Bucket(cap_bytes, cap_ops, now_s)
+        dt = max(0.0, now_s - bk.at_s)
+        bk.bytes = min(cap_bytes, bk.bytes + dt * b.bytes_per_s)
+        bk.ops = min(cap_ops, bk.ops + dt * b.ops_per_s)
+        bk.at_s = now_s
+        return bk
+
+    def budget_state(self) -> dict[str, dict[str, float]]:
+        """Remaining quota per link (bytes, ops) as of the last tick."""
+        return {k: {"bytes": v.bytes, "ops": v.ops} for k, v in self._buckets.items()}
+
+    # -- hysteresis ----------------------------------------------------------------------------------------
+    def commit(self, moves: Iterable[Move], now_s: float) -> None:
+        """Record that ``moves`` were emitted at ``now_s`` (applied, or recorded as shadow decisions).
+
+        Until observed state catches up (at most ``hysteresis_s``; pins ``pin_retry_s``) the planner assumes
+        their effect, so re-planning the same state is a no-op and a block is not moved again."""
+        lm = self._last_move
+        for m in moves:
+            lm.pop(m.block, None)  # re-insert at the end: the dict stays ordered by commit time
+            clear = _BITS[m.src] if m.action in ("demote", "evict") and m.src is not None else 0
+            put = _BITS[m.dst] if m.dst is not None and m.action != "evict" else 0
+            lm[m.block] = (now_s, m, clear, put)
+        horizon = now_s - max(self.config.hysteresis_s, self.config.pin_retry_s)
+        while lm:
+            k = next(iter(lm))
+            if lm[k][0] >= horizon:
+                break
+            del lm[k]
+
+    def last_move_s(self, block: int) -> float | None:
+        v = self._last_move.get(block)
+        return v[0] if v else None
+
+    def _in_flight(
+        self, view: BlockView, now_s: float
+    ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.uint8]]:
+        """Rows moved within the hysteresis window, and the tier mask with those moves assumed done."""
+        n = len(view)
+        mask = view.tier_mask
+        recent = np.zeros(n, np.bool_)
+        horizon = now_s - self.config.hysteresis_s
+        live = [(k, v[2], v[3]) for k, v in self._last_move.items() if v[0] > horizon]
+        if not live:
+            return recent, mask
+        keys = [k for k, _, _ in live]
+        rows = view.rows_all(keys)
+        ok = rows >= 0
+        if not ok.any():
+            return recent, mask
+        clear = np.fromiter((c for _, c, _ in live), np.uint8, len(live))[ok]
+        put = np.fromiter((p for _, _, p in live), np.uint8, len(live))[ok]
+        rows = rows[ok]
+        recent[rows] = True
+        mask = mask.copy()
+        mask[rows] = (mask[rows] & ~clear) | put
+        return recent, mask
+
+    # -- planning ------------------------------------------------------------------------------------------
+    def value(self, view: BlockView, tier: Tier) -> npt.NDArray[np.float64]:
+        """Expected seconds saved by holding each block at ``tier`` (formula in the module docstring)."""
+        spec = self._spec(tier)
+        bw = spec.load_bandwidth_bytes_s if spec else 1e10
+        saved = view.tokens.astype(np.float64) * self.config.prefill_s_per_token
+        return view.p_reuse.astype(np.float64) * (saved - view.nbytes.astype(np.float64) / bw)
+
+    def _spec(self, tier: Tier) -> TierSpec | None:
+        for s in self.config.tiers:
+            if s.tier is tier:
+                return s
+        return None
+
+    def plan(
+        self,
+        view: BlockView,
+        now_s: float,
+        *,
+        pins: Mapping[int, Tier] | None = None,
+        pinned_at_layer: Collection[int] = (),
+        pin_admittable: Collection[int] = (),
+        allowed: Collection[str] | None = None,
+    ) -> Plan:
+        """Plan this tick's moves.
+
+        ``pins``: block -> tier it must stay in (or faster). ``pinned_at_layer``: pins the cache layer already
+        acknowledged (no ``pin`` action needed). ``pin_admittable``: pinned blocks not in ``view`` whose
+        tokens are known (they can be admitted). ``allowed``: actions to consider (None = all).
+        """
+        cfg = self.config
+        pins = pins or {}
+        plan = Plan()
+        n = len(view)
+        specs = cfg.tiers
+        recent, tier_mask = self._in_flight(view, now_s)
+        promoted = np.zeros(n, np.bool_)  # rows already given an up-move this tick
+        pinned_rows = np.zeros(n, np.bool_)
+        pinned_rows[view.rows_of(pins.keys())] = True
+
+        candidates: list[tuple[int, float, Move]] = []  # (class, sort key, move); 0 pin, 1 shed, 2 gain
+        # 1. pins
+        pin_moves = self._plan_pins(view, now_s, pins, pinned_at_layer, pin_admittable, tier_mask, plan)
+        candidates.extend((0, -m.value_s, m) for m in pin_moves)
+        # per-rank load bandwidth (index = tier rank; unmanaged tiers get the slowest managed bandwidth)
+        bw = np.full(len(TIER_ORDER) + 1, min((sp.load_bandwidth_bytes_s for sp in specs), default=1e10))
+        for sp in specs:
+            bw[sp.tier.rank] = sp.load_bandwidth_bytes_s
+        ops_cap = self._ops_cap()
+
+        def val(rows: npt.NDArray[np.intp], rank: int | npt.NDArray[np.int8]) -> npt.NDArray[np.float64]:
+            """v at tier ``rank`` for ``rows`` (rank 4 = not resident: 0)."""
+            p = view.p_reuse[rows].astype(np.float64)
+            saved = view.tokens[rows].astype(np.float64) * cfg.prefill_s_per_token
+            out = p * (saved - view.nbytes[rows].astype(np.float64) / bw[rank])
+            if not isinstance(rank, int):
+                out[rank == len(TIER_ORDER)] = 0.0
+            elif rank == len(TIER_ORDER):
+                out[:] = 0.0
+            return out
+
+        # 2. watermarks: shed lowest-value blocks from tiers above their high watermark.
+        room: dict[Tier, int] = {}
+        for i, spec in enumerate(specs):
+            bit = tier_bit(spec.tier)
+            count = int(np.count_nonzero(tier_mask & bit))
+            plan.tier_usage[spec.tier.value] = count
+            cap = spec.capacity_blocks
+            high, low = int(spec.high_watermark * cap), int(spec.low_watermark * cap)
+            if count <= high:
+                room[spec.tier] = high - count
+                continue
+            room[spec.tier] = 0
+            need = count - low
+            cand = np.flatnonzero(tier_mask & bit)
+            prot = np.zeros(cand.size, np.bool_)
+            if pins:
+                pinned_here = view.hashes[cand[pinned_rows[cand]]]
+                pin_rank = np.array([pins.get(int(h), Tier.REMOTE).rank for h in pinned_here], np.int64)
+                prot[np.flatnonzero(pinned_rows[cand])[pin_rank >= spec.tier.rank]] = True
+            rec = recent[cand]
+            plan.held["pinned"] += int(np.count_nonzero(prot))
+            plan.held["hysteresis"] += int(np.count_nonzero(rec & ~prot))
+            cand = cand[~prot & ~rec]
+            if cand.size == 0:
+                continue
+            v_here = val(cand, spec.tier.rank)
+            take = _smallest(v_here, min(need, cfg.max_candidates_per_tier, ops_cap))
+            order, v_order = cand[take], v_here[take]
+            slower_bits = sum(tier_bit(sp.tier) for sp in specs[i + 1 :])
+            nxt = specs[i + 1].tier if i + 1 < len(specs) else None
+            v_next = val(order, nxt.rank) if nxt is not None else np.zeros(order.size)
+            n_evict = n_demote = 0
+            for j, r in enumerate(order.tolist()):
+                h = int(view.hashes[r])
+                if int(tier_mask[r]) & slower_bits:
+                    m = Move("evict", h, spec.tier, None, -float(v_order[j]), int(view.nbytes[r]))
+                    n_evict += 1
+                elif nxt is not None:
+                    m = Move("demote", h, spec.tier, nxt, -float(v_order[j] - v_next[j]), int(view.nbytes[r]))
+                    n_demote += 1
+                else:
+                    plan.held["last_copy"] += 1
+                    continue
+                candidates.append((1, -m.value_s, m))
+            beyond = min(need, cand.size) - order.size  # qualified but past the per-tick cap
+            if beyond > 0:
+                plan.tried["demote" if nxt is not None else "evict"] += beyond
+                plan.deferred["demote" if nxt is not None else "evict"] += beyond
+
+        # 3. promotions / prefetches / admissions into free room, highest gain first.
+        elig: npt.NDArray[np.intp] | None = None  # rows that may move up at all (computed once, lazily)
+        elig_rank = np.zeros(0, np.int8)
+        for spec in specs:
+            free = room.get(spec.tier, 0)
+            if free <= 0:
+                continue
+            if elig is None:
+                ok = view.p_reuse >= cfg.reuse_threshold
+                ok &= (tier_mask != 0) | view.admittable
+                ok &= (tier_mask & tier_bit(specs[0].tier)) == 0
+                elig = np.flatnonzero(ok)
+                elig = elig[~recent[elig] & ~pinned_rows[elig]]
+                elig_rank = _FIRST_RANK[tier_mask[elig]]  # fastest resident tier of each; 4 = none
+            sel = (elig_rank > spec.tier.rank) & ~promoted[elig]
+            cand, cand_rank = elig[sel], elig_rank[sel]
+            if cand.size == 0:
+                continue
+            k = min(free, cfg.max_candidates_per_tier, ops_cap)
+            n_qual = cand.size
+            if cand.size > 8 * k:
+                # pre-select the likeliest 4k per source tier: within one source tier the gain grows with
+                # P(reuse) for equal block sizes, so the exact top-k by gain is among them
+                keep = []
+                for r in range(spec.tier.rank + 1, len(TIER_ORDER) + 1):
+                    grp = np.flatnonzero(cand_rank == r)
+                    if grp.size == 0:
+                        continue
+                    if grp.size > 4 * k:
+                        pg = view.p_reuse[cand[grp]]
+                        grp = grp[np.argpartition(-pg, 4 * k - 1)[: 4 * k]]
+                    keep.append(grp)
+                pick = np.sort(np.concatenate(keep))
+                cand, cand_rank = cand[pick], cand_rank[pick]
+            gain = val(cand, spec.tier.rank) - val(cand, cand_rank)
+            good = gain > cfg.min_gain_s
+            cand, gain, cand_rank = cand[good], gain[good], cand_rank[good]
+            if cand.size == 0:
+                continue
+            take = _largest(gain, k)
+            order, g_order, o_rank = cand[take], gain[take], cand_rank[take]
+            for j, r in enumerate(order.tolist()):
+                src_rank = int(o_rank[j])
+                src = TIER_ORDER[src_rank] if src_rank < len(TIER_ORDER) else None
+                if src is None:
+                    action: Action = "admit"
+                elif spec.tier is Tier.GPU:
+                    action = "prefetch"
+                else:
+                    action = "promote"
+                m = Move(action, int(view.hashes[r]), src, spec.tier, float(g_order[j]), int(view.nbytes[r]))
+                candidates.append((2, -m.value_s, m))
+            beyond = min(free, n_qual) - order.size
+            if beyond > 0:
+                a = "prefetch" if spec.tier is Tier.GPU else "promote"
+                plan.tried[a] += beyond
+                plan.deferred[a] += beyond
+            # the same block must not be promoted into two tiers in one tick
+            promoted[order] = True
+
+        # 4. spend the link budgets: class first (pins, shedding, gains), then highest value.
+        candidates.sort(key=lambda c: (c[0], c[1]))
+        for _, _, m in candidates:
+            if allowed is not None and m.action not in allowed:
+                continue
+            plan.tried[m.action] += 1
+            bk = self._bucket(m.link, now_s)
+            if bk.ops < 1.0 or bk.bytes < m.nbytes:
+                plan.deferred[m.action] += 1
+                continue
+            bk.ops -= 1.0
+            bk.bytes -= m.nbytes
+            plan.moves.append(m)
+        return plan
+
+    def _ops_cap(self) -> int:
+        """Most moves any one link could afford in a tick (bounds the candidates materialised per tier)."""
+        budgets = [self.config.default_budget, *self.config.budgets.values()]
+        return max(1, int(max(b.ops_per_s * b.burst_s for b in budgets)) + 1)
+
+    def _plan_pins(
+        self,
+        view: BlockView,
+        now_s: float,
+        pins: Mapping[int, Tier],
+        pinned_at_layer: Collection[int],
+        pin_admittable: Collection[int],
+        tier_mask: npt.NDArray[np.uint8],
+        plan: Plan,
+    ) -> list[Move]:
+        if not pins:
+            return []
+        out: list[Move] = []
+        rows = view.rows_of(pins.keys())
+        row_of = {int(view.hashes[r]): int(r) for r in rows}
+        acked = set(pinned_at_layer)
+        admittable = set(pin_admittable)
+        for h, tier in pins.items():
+            last = self._last_move.get(h)
+            if last is not None and now_s - last[0] < self.config.pin_retry_s:
+                plan.held["pin_in_flight"] += 1
+                continue
+            r = row_of.get(h)
+            if r is None:
+                if h in admittable:
+                    out.append(Move("admit", h, None, tier, float("inf"), 0, pinned=True))
+                else:
+                    plan.held["pin_unknown_tokens"] += 1
+                continue
+            rank = int(_FIRST_RANK[int(tier_mask[r])])
+            nbytes = int(view.nbytes[r])
+            if rank <= tier.rank:
+                if h not in acked:
+                    out.append(Move("pin", h, tier, tier, float("inf"), 0, pinned=True))
+                continue
+            if rank == len(TIER_ORDER):
+                if not view.admittable[r] and h not in admittable:
+                    plan.held["pin_unknown_tokens"] += 1
+                    continue
+                out.append(Move("admit", h, None, tier, float("inf"), nbytes, pinned=True))
+            else:
+                action: Action = "prefetch" if tier is Tier.GPU else "promote"
+                out.append(Move(action, h, TIER_ORDER[rank], tier, float("inf"), nbytes, pinned=True))
+        return out
+
+
+def _smallest(values: npt.NDArray[np.float64], k: int) -> npt.NDArray[np.intp]:
+    """Indices of the ``k`` smallest values, ascending (ties by position: deterministic)."""
+    if k >= values.shape[0]:
+        return np.argsort(values, kind="stable")
+    part = np.argpartition(values, k)[:k]
+    return part[np.argsort(values[part], kind="stable")]
+
+
+def _largest(values: npt.NDArray[np.float64], k: int) -> npt.NDArray[np.intp]:
+    """Indices of the ``k`` largest values, descending."""
+    return _smallest(-values, k)

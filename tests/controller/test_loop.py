@@ -1,0 +1,336 @@
+"""Reconcile loop: level-based idempotency, fallbacks under injected failures, modes, metrics, spans.
+
+Uses the real block index, planner, metrics registry and OTel SDK (in-memory exporter). The actuator here is
+an in-process recorder so failures can be injected deterministically; the real-vLLM path is in
+test_vllm_warmup_e2e.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+
+from kvtier.controller.actuators.base import (
+    ActuationResult,
+    Actuator,
+    BlockRef,
+    Capability,
+    KeyOutcome,
+    Outcome,
+)
+from kvtier.controller.loop import ReconcileLoop
+from kvtier.controller.metrics import ControllerMetrics
+from kvtier.controller.pins import Pin, PinSet
+from kvtier.controller.policy_doc import PolicyDoc, TierConfig
+from kvtier.controller.tracing import make_tracer, make_tracer_provider
+from kvtier.policies.index import BlockIndex
+from kvtier.policies.tiers import Tier
+
+
+class Recorder(Actuator):
+    name = "recorder"
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[tuple[str, list[str], str]] = []
+        self.fail = fail
+
+    def capabilities(self) -> frozenset[Capability]:
+        return frozenset({Capability.DEMOTE, Capability.PREFETCH})
+
+    def _do(self, action: str, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
+        self.calls.append((action, [b.layer_key for b in blocks], to.value))
+        if self.fail:
+            raise ConnectionError("layer down")
+        return ActuationResult(self.name, action, [KeyOutcome(b.layer_key, Outcome.APPLIED) for b in blocks])
+
+    def demote(self, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
+        return self._do("demote", blocks, to)
+
+    def prefetch(self, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
+        return self._do("prefetch", blocks, to)
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(mode: str = "active", fail: bool = False):  # type: ignore[no-untyped-def]
+    reg = CollectorRegistry()
+    exporter = InMemorySpanExporter()
+    tracer = make_tracer(make_tracer_provider(exporter=exporter, simple=True))
+    clock = Clock()
+    idx = BlockIndex()
+    doc = PolicyDoc(
+        mode=mode,
+        tiers=[
+            TierConfig(tier=Tier.GPU, capacity_blocks=4, high_watermark=0.75, low_watermark=0.5),
+            TierConfig(tier=Tier.CPU, capacity_blocks=100),
+        ],
+    )
+    act = Recorder(fail)
+    loop = ReconcileLoop(
+        idx,
+        policy=doc,
+        actuators=[act],
+        metrics=ControllerMetrics(reg),
+        tracer=tracer,
+        clock=clock,
+        model="tiny",
+    )
+    return loop, idx, act, reg, exporter, clock
+
+
+def fill_gpu(idx: BlockIndex, clock: Clock) -> None:
+    # 4 gpu blocks (over the 3-block high watermark), accessed at different times
+    for i, h in enumerate([11, 12, 13, 14]):
+        idx.store(h, None, Tier.GPU, t=(clock.t - 100 + i) * 1000)
+
+
+def test_acts_on_difference_then_repeated_tick_is_noop() -> None:
+    loop, idx, act, reg, _, clock = make()
+    fill_gpu(idx, clock)
+    r1 = loop.tick()
+    assert r1.outcome == "ok" and r1.decisions == 2  # shed 4 -> 2 (low watermark)
+    assert [c[0] for c in act.calls] == ["demote"] and len(act.calls[0][1]) == 2
+    clock.t += 1
+    r2 = loop.tick()  # nothing observed changed yet: the in-flight moves are assumed done
+    assert r2.decisions == 0 and len(act.calls) == 1
+    # the layer did it: observed state now matches desired -> still nothing to do
+    for key in act.calls[0][1]:
+        h = int(key, 16)
+        idx.remove(h, Tier.GPU)
+        idx.store(h, None, Tier.CPU, t=clock.t * 1000)
+    clock.t += 100
+    assert loop.tick().decisions == 0
+    assert (
+        reg.get_sample_value(
+            "kvtier_actuations_total", {"layer": "recorder", "action": "demote", "outcome": "applied"}
+        )
+        == 2
+    )
+    assert reg.get_sample_value("kvtier_decisions_total", {"action": "demote", "tier": "cpu"}) == 2
+
+
+def test_shadow_mode_records_without_acting_and_off_does_nothing() -> None:
+    loop, idx, act, reg, _, clock = make(mode="shadow")
+    fill_gpu(idx, clock)
+    rep = loop.tick()
+    assert rep.outcomes["shadow"] == 2 and act.calls == []
+    assert {d.outcome for d in loop.decisions.query()} == {"shadow"}
+    loop2, idx2, act2, _, _, clock2 = make(mode="off")
+    fill_gpu(idx2, clock2)
+    assert loop2.tick().decisions == 0 and act2.calls == []
+
+
+def test_predictor_failure_falls_back_to_heuristic_and_counts() -> None:
+    loop, idx, act, reg, _, clock = make()
+    fill_gpu(idx, clock)
+    loop.fault["predict"] = RuntimeError("model exploded")
+
+    class Broken:
+        name = "learned"
+
+        def predict(self, *a: object) -> object:
+            raise RuntimeError("model exploded")
+
+        def info(self) -> dict[str, object]:
+            return {}
+
+    loop.predictor = Broken()  # type: ignore[assignment]
+    loop.fault.clear()
+    rep = loop.tick()
+    assert rep.outcome == "ok" and rep.predictor == "heuristic" and rep.decisions == 2
+    assert (
+        reg.get_sample_value("kvtier_loop_fallbacks_total", {"stage": "predict", "fallback": "heuristic"})
+        == 1
+    )
+
+
+@pytest.mark.parametrize("stage", ["observe", "plan"])
+def test_failing_stage_means_no_action_and_loop_survives(stage: str) -> None:
+    loop, idx, act, reg, _, clock = make()
+    fill_gpu(idx, clock)
+    loop.fault[stage] = RuntimeError("collector down")
+    rep = loop.tick()
+    assert rep.outcome == "ok" and rep.decisions == 0 and act.calls == []
+    assert reg.get_sample_value("kvtier_loop_fallbacks_total", {"stage": stage, "fallback": "no_action"}) == 1
+    loop.fault.clear()
+    assert loop.tick().decisions == 2  # recovers on the next tick
+
+
+def test_actuator_exception_becomes_failed_outcomes() -> None:
+    loop, idx, act, reg, _, clock = make(fail=True)
+    fill_gpu(idx, clock)
+    rep = loop.tick()
+    assert rep.outcomes["failed"] == 2
+    assert all(d.outcome == "failed" and "layer down" in d.detail for d in loop.decisions.query())
+    assert (
+        reg.get_sample_value(
+            "kvtier_actuations_total", {"layer": "recorder", "action": "demote", "outcome": "failed"}
+        )
+        == 2
+    )
+
+
+def test_unsupported_action_recorded_as_shadow_in_active_mode() -> None:
+    loop, idx, act, reg, _, clock = make()
+    idx.store(21, None, Tier.CPU, t=clock.t * 1000)
+    loop.pins.add(Pin("p1", Tier.CPU, [21], clock.t))  # resident, not acknowledged -> "pin": unsupported
+    rep = loop.tick()
+    d = loop.decisions.query(action="pin")[0]
+    assert d.outcome == "shadow" and d.detail == "no actuator supports it" and rep.outcomes["shadow"] >= 1
+
+
+def test_spans_per_tick_phase_and_actuation() -> None:
+    loop, idx, act, reg, exporter, clock = make()
+    fill_gpu(idx, clock)
+    loop.tick()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    for name in (
+        "kvtier.tick",
+        "kvtier.observe",
+        "kvtier.predict",
+        "kvtier.plan",
+        "kvtier.act",
+        "kvtier.score",
+        "kvtier.actuate",
+    ):
+        assert name in spans, name
+    tick = spans["kvtier.tick"]
+    assert (
+        spans["kvtier.plan"].parent is not None
+        and spans["kvtier.plan"].parent.span_id == tick.context.span_id
+    )
+    a = spans["kvtier.actuate"]
+    assert a.attributes is not None and a.attributes["kvtier.layer"] == "recorder"
+    assert a.attributes["kvtier.outcome.applied"] == 2
+
+
+def test_metrics_series_exist_at_zero_on_start() -> None:
+    reg = CollectorRegistry()
+    ControllerMetrics(reg, layers=["vllm-warmup"])
+    assert reg.get_sample_value("kvtier_decisions_total", {"action": "admit", "tier": "remote"}) == 0
+    assert (
+        reg.get_sample_value(
+            "kvtier_actuations_total", {"layer": "vllm-warmup", "action": "prefetch", "outcome": "failed"}
+        )
+        == 0
+    )
+    assert reg.get_sample_value("kvtier_shadow_hits_total") == 0
+    assert reg.get_sample_value("kvtier_loop_tick_seconds_count") == 0
+
+
+def test_pins_and_shadow_scoring() -> None:
+    loop, idx, act, reg, _, clock = make(mode="shadow")
+    fill_gpu(idx, clock)
+    loop.tick()
+    ds = loop.decisions.query()
+    assert ds and all(d.score is None for d in ds)
+    back = ds[0].block
+    clock.t += 10
+    idx.touch(back, clock.t * 1000)  # one demoted block comes back -> a regret
+    clock.t += loop.policy.shadow_horizon_s + 1
+    loop.tick()
+    rep = loop.decisions.report
+    assert rep.scored == 2 and rep.regrets == 1 and rep.downward == 2
+    assert reg.get_sample_value("kvtier_shadow_regrets_total") == 1
+
+
+def test_pinset_block_map_prefers_fastest_tier() -> None:
+    ps = PinSet()
+    ps.add(Pin("a", Tier.CPU, [1, 2], 0.0))
+    ps.add(Pin("b", Tier.GPU, [2], 0.0, ttl_s=10))
+    assert ps.block_map(5.0) == {1: Tier.CPU, 2: Tier.GPU}
+    assert ps.block_map(11.0) == {1: Tier.CPU, 2: Tier.CPU}
+
+
+def test_run_counts_tick_timeouts_and_skips_overlapping_ticks() -> None:
+    """A stuck actuation makes a tick exceed tick_timeout_s: counted; the runner goes on, skips overlaps."""
+    import asyncio
+    import threading
+    import time as _time
+
+    loop, idx, act, reg, _, clock = make()
+    fill_gpu(idx, clock)
+    release = threading.Event()
+    orig = act._do
+
+    def stuck(action: str, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
+        release.wait(timeout=30)
+        return orig(action, blocks, to)
+
+    act._do = stuck  # type: ignore[method-assign]
+    loop.set_policy(loop.policy.model_copy(update={"tick_timeout_s": 0.2, "tick_interval_s": 0.05}))
+
+    def sample(outcome: str) -> float:
+        return reg.get_sample_value("kvtier_loop_ticks_total", {"outcome": outcome}) or 0.0
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(loop.run(stop, min_interval_s=0.01))
+        deadline = _time.monotonic() + 20
+        while (sample("timeout") < 1 or sample("overlap") < 1) and _time.monotonic() < deadline:
+            await asyncio.sleep(0.02)  # polling a condition with a deadline
+        release.set()
+        while sample("ok") < 1 and _time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        stop.set()
+        await asyncio.wait_for(task, timeout=10)
+
+    asyncio.run(main())
+    assert sample("timeout") >= 1 and sample("overlap") >= 1 and sample("ok") >= 1
+    assert loop.errors["timeout"] >= 1
+
+
+def test_json_log_lines() -> None:
+    import json
+    import logging
+
+    from kvtier.controller.logs import JsonFormatter
+
+    rec = logging.makeLogRecord(
+        {
+            "name": "kvtier.controller.loop",
+            "levelno": 30,
+            "levelname": "WARNING",
+            "msg": "tick %d failed",
+            "args": (3,),
+            "tick": 3,
+        }
+    )
+    out = json.loads(JsonFormatter().format(rec))
+    assert out["msg"] == "tick 3 failed" and out["level"] == "warning" and out["tick"] == 3
+
+
+def test_outcomes_keyed_by_layer_keys_are_attributed_per_ref_and_routing_respects_tiers() -> None:
+    """A layer that answers per chunk (like LMCache) still yields one outcome per decision; gpu-only moves are
+    not routed to a cpu/disk layer, and admits only to an adapter that can re-create blocks."""
+
+    class Chunky(Recorder):
+        name = "lmcache-mp"  # LAYER_TIERS: cpu, disk
+
+        def _do(self, action: str, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
+            self.calls.append((action, [b.layer_key for b in blocks], to.value))
+            out = [KeyOutcome(f"{b.layer_key}@chunk{i}", Outcome.APPLIED) for b in blocks for i in range(2)]
+            return ActuationResult(self.name, action, out)
+
+    loop, idx, _, reg, _, clock = make()
+    layer = Chunky()
+    loop.actuators = [layer]
+    fill_gpu(idx, clock)  # gpu over its watermark -> demote gpu->cpu: cpu is a tier of this layer
+    rep = loop.tick()
+    assert rep.outcomes["applied"] == 2 and len(layer.calls) == 3  # one batch call, then one per ref
+    assert all(d.outcome == "applied" and "chunk" in d.detail for d in loop.decisions.query())
+    loop2, idx2, _, _, _, clock2 = make()
+    loop2.actuators = [Chunky()]
+    idx2.store(31, None, Tier.CPU, t=clock2.t * 1000)
+    loop2.pins.add(Pin("g", Tier.GPU, [31, 32], clock2.t, token_ids=list(range(64)), block_size=32))
+    rep2 = loop2.tick()  # prefetch cpu->gpu and admit of 32: neither can go to a cpu/disk layer
+    assert rep2.outcomes["shadow"] == 2 and loop2.actuators[0].calls == []  # type: ignore[attr-defined]

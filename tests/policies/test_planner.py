@@ -1,0 +1,155 @@
+"""Planner: value ordering, link budgets, watermarks, hysteresis, pins, last-copy safety (pure)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier.policies.planner import BlockView, LinkBudget, Planner, PlannerConfig, TierSpec, tier_bit
+from kvtier.policies.tiers import Tier
+
+G, C, D = tier_bit(Tier.GPU), tier_bit(Tier.CPU), tier_bit(Tier.DISK)
+
+
+def view(
+    masks: list[int],
+    p: list[float],
+    *,
+    tokens: int = 32,
+    nbytes: int = 1000,
+    admittable: list[bool] | None = None,
+) -> BlockView:
+    n = len(masks)
+    return BlockView(
+        hashes=np.arange(1, n + 1, dtype=np.int64),
+        tier_mask=np.array(masks, np.uint8),
+        tokens=np.full(n, tokens, np.int32),
+        nbytes=np.full(n, nbytes, np.int64),
+        p_reuse=np.array(p, np.float32),
+        admittable=np.array(admittable if admittable is not None else [False] * n, np.bool_),
+    )
+
+
+def cfg(gpu_cap: int = 4, cpu_cap: int = 100, **kw: object) -> PlannerConfig:
+    return PlannerConfig(
+        tiers=(
+            TierSpec(Tier.GPU, gpu_cap, 0.75, 0.5, 1e12),
+            TierSpec(Tier.CPU, cpu_cap, 0.9, 0.8, 1e9),
+            TierSpec(Tier.DISK, 1000, 0.9, 0.8, 1e8),
+        ),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_promotes_highest_value_first_within_room() -> None:
+    # gpu cap 4, high 0.75 -> 3 slots, 1 used -> room 2; four cpu blocks with different P(reuse)
+    v = view([G, C, C, C, C], [0.9, 0.1, 0.8, 0.5, 0.95])
+    plan = Planner(cfg()).plan(v, 0.0)
+    assert [(m.action, m.block) for m in plan.moves] == [("prefetch", 5), ("prefetch", 3)]
+    assert plan.moves[0].value_s > plan.moves[1].value_s > 0
+
+
+def test_value_is_p_times_prefill_saved_minus_load_time() -> None:
+    pl = Planner(cfg(prefill_s_per_token=1e-3))
+    v = view([C], [0.5], tokens=100, nbytes=10**9)
+    # gpu: 0.5*(0.1 - 1e9/1e12) ; cpu: 0.5*(0.1 - 1)
+    assert pl.value(v, Tier.GPU)[0] == pytest.approx(0.5 * (0.1 - 1e-3))
+    assert pl.value(v, Tier.CPU)[0] == pytest.approx(0.5 * (0.1 - 1.0))
+
+
+def test_ops_budget_spent_on_highest_value_and_rest_deferred() -> None:
+    c = cfg(gpu_cap=100, default_budget=LinkBudget(bytes_per_s=1e12, ops_per_s=2, burst_s=1))
+    v = view([C] * 5, [0.2, 0.9, 0.4, 0.8, 0.1])
+    pl = Planner(c)
+    plan = pl.plan(v, 0.0)
+    assert [m.block for m in plan.moves] == [2, 4]
+    assert plan.tried["prefetch"] == 5 and plan.deferred["prefetch"] == 3
+    # bucket refills with time: 1 s later, 2 more ops
+    pl.commit(plan.moves, 0.0)
+    plan2 = pl.plan(v, 1.0)
+    assert [m.block for m in plan2.moves] == [3, 1]
+
+
+def test_byte_budget_limits_moves() -> None:
+    c = cfg(gpu_cap=100, default_budget=LinkBudget(bytes_per_s=2500, ops_per_s=100, burst_s=1))
+    plan = Planner(c).plan(view([C] * 4, [0.9, 0.8, 0.7, 0.6], nbytes=1000), 0.0)
+    assert len(plan.moves) == 2 and plan.deferred["prefetch"] == 2
+
+
+def test_high_watermark_sheds_lowest_value_to_low_watermark() -> None:
+    # gpu cap 4: high 3, low 2; 4 resident -> shed 2 lowest value
+    v = view([G, G, G, G], [0.9, 0.1, 0.5, 0.2])
+    plan = Planner(cfg()).plan(v, 0.0)
+    assert sorted((m.action, m.block, m.dst) for m in plan.moves) == [
+        ("demote", 2, Tier.CPU),
+        ("demote", 4, Tier.CPU),
+    ]
+
+
+def test_evict_only_redundant_copies_never_last_copy() -> None:
+    # block 1 also on cpu -> gpu copy may be evicted; disk is the last tier: over-full disk holds last copies
+    c = PlannerConfig(tiers=(TierSpec(Tier.GPU, 2, 0.5, 0.5), TierSpec(Tier.DISK, 1, 0.0, 0.0)))
+    v = view([G | D, G], [0.1, 0.9])
+    plan = Planner(c).plan(v, 0.0)
+    acts = {(m.action, m.block, m.src, m.dst) for m in plan.moves}
+    assert ("evict", 1, Tier.GPU, None) in acts
+    assert not any(m.action == "evict" and m.src is Tier.DISK for m in plan.moves)
+    assert plan.held["last_copy"] == 1  # disk over its watermark, block 1's disk copy is its last
+
+
+def test_repeated_tick_after_commit_is_a_noop_and_no_ping_pong() -> None:
+    pl = Planner(cfg(hysteresis_s=30))
+    v = view([G, G, G, G], [0.9, 0.1, 0.5, 0.2])
+    plan = pl.plan(v, 0.0)
+    pl.commit(plan.moves, 0.0)
+    assert pl.plan(v, 1.0).moves == []
+    # the demoted blocks land on cpu; gpu has room again; they must not bounce back within hysteresis
+    v2 = view([G, C, G, C], [0.9, 0.1, 0.5, 0.95])
+    again = pl.plan(v2, 5.0)
+    assert [m for m in again.moves if m.block in (2, 4)] == []
+    assert pl.plan(v2, 40.0).moves[0].block == 4  # after the window the valuable one may come back
+
+
+def test_pins_honoured_first_and_never_shed() -> None:
+    c = cfg(default_budget=LinkBudget(bytes_per_s=1e12, ops_per_s=1, burst_s=1))
+    # gpu over high watermark; block 2 pinned to gpu must not be demoted; block 5 pinned but on cpu -> promote
+    v = view([G, G, G, G, C], [0.9, 0.0, 0.5, 0.6, 0.0])
+    plan = Planner(c).plan(v, 0.0, pins={2: Tier.GPU, 5: Tier.GPU}, pinned_at_layer={2})
+    assert plan.moves[0].block == 5 and plan.moves[0].pinned  # the only op of the budget goes to the pin
+    assert all(m.block != 2 for m in plan.moves)
+    assert plan.held["pinned"] >= 1
+
+
+def test_pin_action_when_resident_but_not_acknowledged() -> None:
+    plan = Planner(cfg()).plan(view([C], [0.0]), 0.0, pins={1: Tier.CPU})
+    assert [(m.action, m.block, m.dst) for m in plan.moves] == [("pin", 1, Tier.CPU)]
+    assert Planner(cfg()).plan(view([C], [0.0]), 0.0, pins={1: Tier.CPU}, pinned_at_layer={1}).moves == []
+
+
+def test_pin_of_untracked_block_admitted_when_tokens_known() -> None:
+    pl = Planner(cfg())
+    plan = pl.plan(BlockView.empty(), 0.0, pins={77: Tier.GPU, 78: Tier.GPU}, pin_admittable={77})
+    assert [(m.action, m.block) for m in plan.moves] == [("admit", 77)]
+    assert plan.held["pin_unknown_tokens"] == 1
+    pl.commit(plan.moves, 0.0)
+    assert pl.plan(BlockView.empty(), 1.0, pins={77: Tier.GPU}, pin_admittable={77}).moves == []
+    assert len(pl.plan(BlockView.empty(), 6.0, pins={77: Tier.GPU}, pin_admittable={77}).moves) == 1
+
+
+def test_admit_non_resident_only_when_admittable_and_likely() -> None:
+    v = view([0, 0, 0], [0.9, 0.9, 0.01], admittable=[True, False, True])
+    plan = Planner(cfg(gpu_cap=100)).plan(v, 0.0)
+    assert [(m.action, m.block) for m in plan.moves] == [("admit", 1)]
+
+
+def test_allowed_filters_actions() -> None:
+    v = view([G, G, G, G, C], [0.9, 0.1, 0.5, 0.2, 0.9])
+    plan = Planner(cfg()).plan(v, 0.0, allowed={"prefetch"})
+    assert all(m.action == "prefetch" for m in plan.moves)
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="watermark"):
+        TierSpec(Tier.GPU, 10, high_watermark=0.5, low_watermark=0.9)
+    with pytest.raises(ValueError, match="duplicate"):
+        PlannerConfig(tiers=(TierSpec(Tier.GPU, 1), TierSpec(Tier.GPU, 2)))
