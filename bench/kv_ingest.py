@@ -115,8 +115,8 @@ def main() -> None:
     print(f"{'raw msgspec decode (untyped):':34s} {n / raw_w:12,.0f} {n / raw_c:12,.0f}")
     print(f"{'kvtier ingest (decode + index):':34s} {n / ing_w:12,.0f} {n / ing_c:12,.0f}")
     print(f"{'ratio ingest / raw decode:':34s} {raw_w / ing_w:12.3f} {raw_c / ing_c:12.3f}")
-    ok = min(n / ing_w, n / ing_c) >= 500_000
-    print(f"target >= 500,000 block events/s:  {'PASS' if ok else 'FAIL'} (both wall and CPU time)")
+    verdict = {k: "PASS" if n / v >= 500_000 else "FAIL" for k, v in (("wall", ing_w), ("CPU", ing_c))}
+    print(f"{'target >= 500,000 block events/s:':34s} {verdict['wall']:>12s} {verdict['CPU']:>12s}")
 
 if __name__ == "__main__":
     main()
