@@ -13,28 +13,31 @@ removed it (vLLM's docs ask consumers to reference-count repeated announcements)
 * ``AllBlocksCleared`` (and :meth:`KvIngestor.clear_source`, used when an engine restarts): everything that
   source held in that tier (default GPU) is removed.
 
-Times passed to the index are milliseconds (publisher batch ``ts`` * 1000).
+Times passed to the index are milliseconds (publisher batch ``ts`` * 1000). Residency (the reference counts
+behind :meth:`KvIngestor.blocks_tracked`) is updated immediately; index updates are queued and applied in bulk
+(:mod:`kvtier.policies.index_bulk`) every ``flush_every`` operations and on :meth:`KvIngestor.flush` --
+call it (or use :meth:`KvIngestor.flushed_index`) before querying the index.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from kvtier.collectors.vllm_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     DecodedBatch,
-    block_key,
     tier_of,
 )
 from kvtier.policies.index import BlockIndex
+from kvtier.policies.index_bulk import REMOVE, STORE, TOUCH, TOUCH_CHAIN, OpQueue, apply_ops
 from kvtier.policies.tiers import TIER_ORDER, Tier
 
 EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 _RANK = {t: i for i, t in enumerate(TIER_ORDER)}  # index accepts int ranks without name lookups
-_MAX_ANCESTOR_WALK = 4096  # bounds the parent-chain walk (max_model_len / block_size in practice)
 
 
 @dataclass(slots=True)
@@ -53,13 +56,24 @@ class SourceCounts:
 class KvIngestor:
     """Applies decoded KV-event batches to a :class:`~kvtier.policies.index.BlockIndex`."""
 
-    def __init__(self, index: BlockIndex | None = None) -> None:
+    def __init__(self, index: BlockIndex | None = None, *, flush_every: int = 16384) -> None:
         self.index = index if index is not None else BlockIndex()
+        self.flush_every = flush_every
+        self._q = OpQueue()
         self._held: dict[str, dict[Tier, set[int]]] = {}  # source -> tier -> u64 hashes
         self._rc: dict[Tier, dict[int, int]] = {t: {} for t in TIER_ORDER}
         self.counts: dict[str, SourceCounts] = defaultdict(SourceCounts)  # engine label -> counters
 
     # ---- queries ----------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Apply the queued index operations now."""
+        apply_ops(self.index, self._q)
+
+    def flushed_index(self) -> BlockIndex:
+        """The index with every received event applied."""
+        self.flush()
+        return self.index
+
     def blocks_tracked(self) -> dict[str, int]:
         """Blocks believed resident per tier (lowercase tier names), from the reference counts."""
         return {t.value: len(self._rc[t]) for t in TIER_ORDER}
@@ -87,50 +101,74 @@ class KvIngestor:
     ) -> None:
         held = self._src(source or engine)
         c = self.counts[engine]
-        ev = c.events
-        idx = self.index
+        q = self._q
+        qa = q.ops.append
+        ctx: dict[str | None, tuple[Tier, int, set[int], dict[int, int]]] = {}
+        n_stored = n_removed = n_cleared = 0
         for e in events:
-            if type(e) is BlockStored:
-                ev["BlockStored"] += 1
-                tier = tier_of(e.medium)
-                mine = held[tier]
-                rc = self._rc[tier]
-                parent = e.parent_block_hash
-                pkey = None if parent is None else block_key(parent)
-                if pkey is not None:
-                    self._touch_ancestors(pkey, t_ms, c)
-                for h in e.block_hashes:
-                    k = h if type(h) is int else block_key(h)
+            if type(e) is BlockRemoved:
+                n_removed += 1
+                x = ctx.get(e.medium)
+                if x is None:
+                    tier = tier_of(e.medium)
+                    x = ctx[e.medium] = (tier, _RANK[tier], held[tier], self._rc[tier])
+                tier, rank, mine, rc = x
+                for k in e.block_hashes:
                     if k in mine:
+                        mine.discard(k)
+                        c.blocks_removed += 1
+                        n = rc.get(k, 0)
+                        if n <= 1:
+                            rc.pop(k, None)
+                            qa((REMOVE, k, None, rank, t_ms))
+                        else:
+                            rc[k] = n - 1
+                    else:
+                        c.removed_unknown += 1
+            elif type(e) is BlockStored:
+                n_stored += 1
+                x = ctx.get(e.medium)
+                if x is None:
+                    tier = tier_of(e.medium)
+                    x = ctx[e.medium] = (tier, _RANK[tier], held[tier], self._rc[tier])
+                tier, rank, mine, rc = x
+                hs = e.block_hashes
+                nh = len(hs)
+                pkey = e.parent_block_hash
+                if pkey is not None:  # the request used the whole parent chain
+                    qa((TOUCH_CHAIN, pkey, None, rank, t_ms))
+                    c.accesses_inferred += 1
+                if mine.isdisjoint(hs) and rc.keys().isdisjoint(hs) and len(set(hs)) == nh:
+                    # common case: all new blocks, held by no other source -> bulk append
+                    mine.update(hs)
+                    for k in hs:
+                        rc[k] = 1
+                    c.blocks_stored += nh
+                    parents = [pkey, *hs[:-1]]
+                    q.ops.extend(zip(repeat(STORE, nh), hs, parents, repeat(rank, nh), repeat(t_ms, nh), strict=False))
+                    continue
+                for k in hs:
+                    if k in mine:  # re-announcement = a hit report
                         c.blocks_reannounced += 1
                         c.accesses_inferred += 1
-                        idx.touch(k, t_ms)
+                        qa((TOUCH, k, None, rank, t_ms))
                     else:
                         mine.add(k)
                         n = rc.get(k, 0)
                         rc[k] = n + 1
                         c.blocks_stored += 1
-                        if n == 0:
-                            idx.store(k, pkey, _RANK[tier], 0, t_ms)
-                        else:
-                            idx.touch(k, t_ms)
+                        # STORE, or an access if another source holds it already
+                        qa((STORE, k, pkey, rank, t_ms) if n == 0 else (TOUCH, k, None, rank, t_ms))
                     pkey = k
-            elif type(e) is BlockRemoved:
-                ev["BlockRemoved"] += 1
-                tier = tier_of(e.medium)
-                mine = held[tier]
-                rc = self._rc[tier]
-                for h in e.block_hashes:
-                    k = h if type(h) is int else block_key(h)
-                    if k in mine:
-                        mine.discard(k)
-                        c.blocks_removed += 1
-                        self._unref(rc, k, tier)
-                    else:
-                        c.removed_unknown += 1
             elif type(e) is AllBlocksCleared:
-                ev["AllBlocksCleared"] += 1
+                n_cleared += 1
                 c.blocks_cleared += self._clear(held, tier_of(e.medium))
+        ev = c.events
+        ev["BlockStored"] += n_stored
+        ev["BlockRemoved"] += n_removed
+        ev["AllBlocksCleared"] += n_cleared
+        if len(q) >= self.flush_every:
+            self.flush()
 
     def clear_source(self, engine: str, source: str | None = None) -> int:
         """The source restarted (its caches are empty): drop everything it held, every tier."""
@@ -144,7 +182,7 @@ class KvIngestor:
         n = rc.get(k, 0)
         if n <= 1:
             rc.pop(k, None)
-            self.index.remove(k, _RANK[tier])
+            self._q.ops.append((REMOVE, k, None, _RANK[tier], 0.0))
         else:
             rc[k] = n - 1
 
@@ -156,13 +194,3 @@ class KvIngestor:
             self._unref(rc, k, tier)
         mine.clear()
         return n
-
-    def _touch_ancestors(self, pkey: int, t_ms: float, c: SourceCounts) -> None:
-        idx = self.index
-        s = idx.slot_of(pkey)
-        steps = 0
-        while s >= 0 and steps < _MAX_ANCESTOR_WALK:
-            idx.touch(idx.hash_of(s), t_ms)
-            c.accesses_inferred += 1
-            s = int(idx.parent[s])
-            steps += 1

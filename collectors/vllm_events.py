@@ -27,8 +27,8 @@ class DecodeError(ValueError):
 
 # ---- msgspec schema of the 0.33 map-tagged events (unknown fields are ignored) ----------------------------
 class BlockStored(msgspec.Struct, tag=True, gc=False):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None = None
+    block_hashes: list[int]  # bytes digests are folded to ints (slow path) -> always ints here
+    parent_block_hash: int | None = None
     token_ids: msgspec.Raw = msgspec.Raw(b"\x90")  # msgpack bytes, decoded on demand by tokens()
     block_size: int = 0
     lora_id: int | None = None
@@ -45,7 +45,7 @@ class BlockStored(msgspec.Struct, tag=True, gc=False):
 
 
 class BlockRemoved(msgspec.Struct, tag=True, gc=False):
-    block_hashes: list[int | bytes]
+    block_hashes: list[int]
     medium: str | None = None
     group_idx: int | None = None
     locality: str | None = None
@@ -113,10 +113,18 @@ def parse_seq(frame: bytes) -> int:
     return int.from_bytes(frame, "big", signed=frame == b"\xff" * 8)
 
 
-def _hashes(v: Any) -> list[int | bytes]:
+def _hashes(v: Any) -> list[int]:
     if not isinstance(v, list) or not all(isinstance(h, int | bytes) and not isinstance(h, bool) for h in v):
         raise DecodeError(f"block_hashes must be a list of int/bytes, got {type(v).__name__}")
-    return v
+    return [block_key(h) for h in v]
+
+
+def _parent(v: Any) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, int | bytes) and not isinstance(v, bool):
+        return block_key(v)
+    raise DecodeError("bad parent_block_hash")
 
 
 def _raw(tokens: Any) -> msgspec.Raw:
@@ -137,9 +145,7 @@ def _from_array(e: list[Any]) -> Event:
     if kind == "BlockStored":
         if len(e) < 5:
             raise DecodeError(f"BlockStored array has {len(e)} fields")
-        parent = e[2]
-        if parent is not None and not isinstance(parent, int | bytes):
-            raise DecodeError("bad parent_block_hash")
+        parent = _parent(e[2])
         tokens = e[3] if isinstance(e[3], list) else []
         return BlockStored(
             block_hashes=_hashes(e[1]),
@@ -161,9 +167,7 @@ def _from_array(e: list[Any]) -> Event:
 def _from_map(e: dict[Any, Any]) -> Event:
     kind = e.get("type")
     if kind == "BlockStored":
-        parent = e.get("parent_block_hash")
-        if parent is not None and not isinstance(parent, int | bytes):
-            raise DecodeError("bad parent_block_hash")
+        parent = _parent(e.get("parent_block_hash"))
         bs = e.get("block_size", 0)
         return BlockStored(
             block_hashes=_hashes(e.get("block_hashes")),

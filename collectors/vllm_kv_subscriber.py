@@ -267,6 +267,8 @@ class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
                     except zmq.Again:
                         break
                     await self.handle(st.src.dp_rank, frames)
+            if ready:
+                self.ingestor.flush()  # queued index updates -> BlockIndex once the sockets are drained
 
     async def handle(self, rank: int, frames: list[bytes]) -> None:
         """One received message from DP rank ``rank``: decode, check sequence, replay gaps, apply."""

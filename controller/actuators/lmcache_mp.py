@@ -10,13 +10,16 @@ Tier mapping: LMCache L1 (host DRAM) = ``cpu``, L2 (``fs`` adapter) = ``disk``.
   copy deleted.
 - evict: ``DELETE /cache/objects`` tier ``all`` (or ``l2`` for ``disk``; ``cpu`` = demote's safe path).
 - clear: ``POST /cache/clear`` tier ``l1``. quota: ``PUT|DELETE /quota/{cache_salt}`` (GiB on the wire).
-- No pin in LMCache MP: pin/unpin raise NotSupported.
+- pin / unpin are **emulated** (LMCache MP has no pin): ``pin`` promotes the prefix to L1 now and remembers
+  it; :meth:`LMCacheMPActuator.refresh_pins` (the loop calls it every tick) re-promotes every pinned prefix,
+  so one that L1 evicted under pressure is loaded back from its L2 copy; ``unpin`` forgets it.
 
 Keys are computed client-side (:mod:`.lmcache_keys`); one DELETE per key so outcomes are exact.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -96,6 +99,8 @@ class LMCacheMPActuator(Actuator):
         self.poll_interval_s = poll_interval_s
         self._clock = clock
         self._sleep = sleep
+        self._pins: dict[tuple[str, str, tuple[int, ...]], BlockRef] = {}
+        self._pins_lock = threading.Lock()
 
     # ---- discovery -------------------------------------------------------------------------------
     def _status(self) -> dict[str, Any]:
@@ -118,7 +123,7 @@ class LMCacheMPActuator(Actuator):
 
     def capabilities(self) -> frozenset[Capability]:
         caps = {Capability.PROMOTE, Capability.PREFETCH, Capability.EVICT, Capability.CLEAR,
-                Capability.QUOTA, Capability.DEMOTE}
+                Capability.QUOTA, Capability.DEMOTE, Capability.PIN, Capability.UNPIN}
         return frozenset(caps)
 
     def health(self) -> AdapterHealth:
@@ -242,6 +247,45 @@ class LMCacheMPActuator(Actuator):
         return [KeyOutcome(lb, Outcome.APPLIED if v.has_copy(k) else Outcome.FAILED,
                            detail if v.has_copy(k) else detail + "; key not in l2")
                 for k, lb in zip(keys, labels, strict=True)]
+
+    # ---- emulated pins ---------------------------------------------------------------------------
+    @staticmethod
+    def _pin_key(ref: BlockRef) -> tuple[str, str, tuple[int, ...]]:
+        return (ref.model, ref.cache_salt, tuple(ref.token_ids or ()))
+
+    def pinned(self) -> list[BlockRef]:
+        with self._pins_lock:
+            return list(self._pins.values())
+
+    def pin(self, blocks: Sequence[BlockRef], tier: Tier = Tier.CPU,
+            ttl_s: float | None = None) -> ActuationResult:
+        """Keep prefixes in L1 (``cpu``): promote now and on every :meth:`refresh_pins`. ``ttl_s`` is
+        ignored (the pin lasts until :meth:`unpin`)."""
+        if tier is not Tier.CPU:
+            res = ActuationResult(self.name, "pin")
+            res.outcomes.append(KeyOutcome("*", Outcome.FAILED,
+                                           f"LMCache MP pins (emulated) to cpu only, not {tier}"))
+            return res
+        refs = [b for b in blocks if b.token_ids]
+        with self._pins_lock:
+            for b in refs:
+                self._pins[self._pin_key(b)] = b
+        res = self._prefetch("pin", blocks, Tier.CPU)
+        return res
+
+    def unpin(self, blocks: Sequence[BlockRef], tier: Tier = Tier.CPU) -> ActuationResult:
+        res = ActuationResult(self.name, "unpin")
+        with self._pins_lock:
+            for b in blocks:
+                gone = self._pins.pop(self._pin_key(b), None)
+                res.outcomes.append(KeyOutcome(b.layer_key or f"tokens:{len(b.token_ids or ())}",
+                                               Outcome.APPLIED if gone else Outcome.SKIPPED,
+                                               "unpinned" if gone else "was not pinned"))
+        return res
+
+    def refresh_pins(self) -> ActuationResult:
+        """Re-promote every pinned prefix (idempotent: chunks already in L1 stay; evicted ones reload)."""
+        return self._prefetch("pin_refresh", self.pinned(), Tier.CPU)
 
     def demote(self, blocks: Sequence[BlockRef], to: Tier = Tier.DISK) -> ActuationResult:
         def run(res: ActuationResult, keys: list[ObjectKey]) -> None:

@@ -204,6 +204,12 @@ class MooncakeActuator(Actuator):
             cfg.soft_pin_ttl_ms = int(ttl_s * 1000)
         rc = self._client(lambda: self.store.upsert(key, value, cfg))
         if rc != 0:
+            # never lose the block: if the failed rewrite dropped the key, put the bytes we hold back
+            if not self.segments(key):
+                back = self.mc.ReplicateConfig()
+                back.preferred_segments = cfg.preferred_segments
+                rc2 = self._client(lambda: self.store.put(key, value, back))
+                return KeyOutcome(key, Outcome.FAILED, f"upsert rc {rc}; key restored (put rc {rc2})")
             return KeyOutcome(key, Outcome.FAILED, f"upsert rc {rc}")
         return KeyOutcome(key, Outcome.APPLIED, f"upsert soft_pin {action}; replicas {sorted(segs)}")
 

@@ -22,9 +22,9 @@ def mp_with(handler: httpx.MockTransport) -> LMCacheMPActuator:
 
 def test_unadvertised_actions_raise_not_supported() -> None:
     act = mp_with(httpx.MockTransport(lambda r: httpx.Response(200, json={})))
-    assert Capability.PIN not in act.capabilities() and not act.supports("unpin")
+    assert Capability.HARD_PIN not in act.capabilities() and not act.supports("copy")
     with pytest.raises(NotSupported):
-        act.pin([BlockRef(layer_key="x")], Tier.CPU)
+        act.copy([BlockRef(layer_key="x")], None)  # type: ignore[arg-type]
     with pytest.raises(NotSupported):
         act.move([], None, None)  # type: ignore[arg-type]
     ctl = build_controller("http://ctl", "i0")
@@ -76,3 +76,56 @@ def test_registry_builds_by_name_and_rejects_unknown() -> None:
     assert act.name == "lmcache-mp" and act.supports("promote")
     with pytest.raises(ValueError, match="unknown actuator"):
         registry.build("nope")
+
+
+class _Cfg:
+    def __init__(self) -> None:
+        self.preferred_segments: list[str] = []
+        self.replica_num = 1
+        self.with_hard_pin = False
+        self.soft_pin_action = None
+        self.soft_pin_ttl_ms = 0
+
+
+class _Bindings:
+    ReplicateConfig = _Cfg
+
+    class SoftPinAction:
+        ENABLE, DISABLE = "ENABLE", "DISABLE"
+
+
+class _LossyStore:
+    """A Mooncake client whose upsert fails after dropping the key (cannot be provoked on the real master)."""
+
+    def __init__(self) -> None:
+        self.data = {"k": b"bytes"}
+        self.puts: list[tuple[str, bytes]] = []
+
+    def get(self, key: str) -> bytes:
+        return self.data.get(key, b"")
+
+    def upsert(self, key: str, value: bytes, config: object = None) -> int:
+        self.data.pop(key, None)
+        return -1
+
+    def put(self, key: str, value: bytes, config: object = None) -> int:
+        self.puts.append((key, value))
+        self.data[key] = value
+        return 0
+
+
+def test_mooncake_failed_pin_rewrite_restores_the_key() -> None:
+    from kvtier.controller.actuators.mooncake import MooncakeActuator
+
+    store = _LossyStore()
+
+    def admin(r: httpx.Request) -> httpx.Response:
+        present = "k" in store.data
+        return httpx.Response(200, json={"success": present,
+                                         "data": [{"transport_endpoint_": "seg-a"}] if present else []})
+
+    caller = HttpCaller("http://m", client=httpx.Client(transport=httpx.MockTransport(admin)))
+    act = MooncakeActuator(store, caller, bindings=_Bindings)  # type: ignore[arg-type]
+    res = act.pin([BlockRef(layer_key="k")], Tier.CPU)
+    assert res.count(Outcome.FAILED) == 1 and "restored" in res.outcomes[0].detail
+    assert store.data == {"k": b"bytes"} and store.puts == [("k", b"bytes")]

@@ -84,6 +84,8 @@ class FakeEngine:
     seed: int = 0
     tokens: int = 256
     model: str = "tiny"
+    sequences: int = 1  # seeded sequences stored: seed, seed+1, ...
+    pace_s: float = 0.0  # seconds between sequences
     proc: subprocess.Popen[bytes] | None = None
     result: dict[str, object] = field(default_factory=dict)
 
@@ -93,6 +95,7 @@ class FakeEngine:
         out.unlink(missing_ok=True)
         self.proc = start([py, str(HERE / "scripts" / "lmcache_fake_engine.py"), "--url", self.server.zmq_url,
                            "--model", self.model, "--seed", str(self.seed), "--tokens", str(self.tokens),
+                           "--sequences", str(self.sequences), "--pace-s", str(self.pace_s),
                            "--out", str(out)], self.server.workdir / f"fake_engine_{self.seed}.log")
         self.result = wait_for(lambda: json.loads(out.read_text()) if out.exists() else None, timeout_s,
                                "fake LMCache engine", proc=self.proc,
@@ -102,6 +105,10 @@ class FakeEngine:
     @property
     def token_ids(self) -> list[int]:
         return list(self.result["token_ids"])  # type: ignore[call-overload]
+
+    @property
+    def all_token_ids(self) -> list[list[int]]:
+        return [list(t) for t in self.result["all_token_ids"]]  # type: ignore[attr-defined]
 
     def stop(self) -> None:
         stop(self.proc)

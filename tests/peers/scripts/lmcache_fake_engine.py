@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import threading
+import time
 
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
@@ -27,6 +28,8 @@ ap.add_argument("--url", required=True)
 ap.add_argument("--model", default="tiny")
 ap.add_argument("--seed", type=int, default=0)
 ap.add_argument("--tokens", type=int, default=256)
+ap.add_argument("--sequences", type=int, default=1, help="seeded sequences to store: seed, seed+1, ...")
+ap.add_argument("--pace-s", type=float, default=0.0, help="seconds between sequences (request arrival rate)")
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
 ps = ParallelStrategy(mla_only=False, vllm_world_size=1, vllm_worker_id=0, tp_size=1, pp_size=1, n_servers=1)
@@ -36,16 +39,23 @@ w = LMCacheMPWorkerAdapter(a.url, zmq.Context(), a.model, BS, ps,
 kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, NB, BS, NH, HS, dtype=torch.bfloat16)
       for i in range(LAYERS)}
 w.register_kv_caches(kv, layout_hints={"kv_layout": "NHD"})
-g = torch.Generator().manual_seed(a.seed)
-toks = torch.randint(1, 500, (a.tokens,), generator=g).tolist()
-blocks = list(range(1, 1 + a.tokens // BS))
-for t in kv.values():
-    for b in blocks:
-        t[:, b] = torch.randn(2, BS, NH, HS, generator=g).to(torch.bfloat16)
-w.submit_store_request("store", LoadStoreOp(token_ids=toks, block_ids=[blocks], start=0, end=a.tokens), None)
-ok = bool(w.store_futures["store"].result(timeout=60))
+all_toks = []
+ok = True
+for i in range(a.sequences):
+    g = torch.Generator().manual_seed(a.seed + i)
+    toks = torch.randint(1, 500, (a.tokens,), generator=g).tolist()
+    blocks = list(range(1, 1 + a.tokens // BS))
+    for t in kv.values():
+        for b in blocks:
+            t[:, b] = torch.randn(2, BS, NH, HS, generator=g).to(torch.bfloat16)
+    rid = f"store-{i}"
+    w.submit_store_request(rid, LoadStoreOp(token_ids=toks, block_ids=[blocks], start=0, end=a.tokens), None)
+    ok = bool(w.store_futures[rid].result(timeout=60)) and ok
+    all_toks.append(toks)
+    if a.pace_s and i + 1 < a.sequences:
+        time.sleep(a.pace_s)  # traffic arrives over time, so LMCache's periodic L1 eviction can keep up
 tmp = a.out + ".tmp"
 with open(tmp, "w") as f:
-    json.dump({"token_ids": toks, "store_ok": ok}, f)
+    json.dump({"token_ids": all_toks[0], "all_token_ids": all_toks, "store_ok": ok}, f)
 os.replace(tmp, a.out)
 threading.Event().wait()  # hold the registration until SIGTERM
