@@ -3,18 +3,24 @@
     python -m bench.index_scale [--blocks 2000000]
 
 Random uint64 hashes in chains of 32 (vLLM-like), stored into the GPU tier, then touched, then leaf-first
-victims picked. Prints bytes per block (tracemalloc) against the 256 B budget, and the projection to 10 M.
+victims picked. Prints bytes per block (resident-set growth, /proc/self/statm) against the 256 B budget,
+and the projection to 10 M.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
-import tracemalloc
 
 import numpy as np
 
 from kvtier.policies.index import BlockIndex
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,16 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     n = a.blocks
     hashes = np.random.default_rng(0).integers(0, 2**63, n, dtype=np.int64)
     hl = [int(h) | (1 << 63) if i % 2 else int(h) for i, h in enumerate(hashes)]  # half above int64 range
-    tracemalloc.start()
-    base = tracemalloc.get_traced_memory()[0]
+    base = _rss()
     ix = BlockIndex()
     t0 = time.perf_counter()
     chain = 32
     for i in range(0, n, chain):
         ix.store_chain(hl[i : i + chain], None, "gpu", nbytes=64 << 20, t=float(i))
     t_store = time.perf_counter() - t0
-    used = tracemalloc.get_traced_memory()[0] - base
-    tracemalloc.stop()
+    used = _rss() - base
     t0 = time.perf_counter()
     for i in range(0, n, 7):
         ix.touch(hl[i], float(n + i))

@@ -44,12 +44,21 @@ def to_key(h: int) -> int:
     return h
 
 
+_RANK_CACHE: dict[object, int] = {}
+
+
 def _tier_rank(tier: Tier | str | int) -> int:
+    r = _RANK_CACHE.get(tier)
+    if r is not None:
+        return r
     if isinstance(tier, int) and not isinstance(tier, bool):
         if not 0 <= tier < _N_TIERS:
             raise ValueError(f"tier rank must be in [0, {_N_TIERS}), got {tier}")
         return tier
-    return normalize_tier(str(tier)).rank
+    r = normalize_tier(str(tier)).rank
+    if len(_RANK_CACHE) < 256:
+        _RANK_CACHE[tier] = r
+    return r
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,16 +171,7 @@ class BlockIndex:
             s = self._n
             self._n += 1
         self._slot[key] = s
-        self.hash[s] = key
-        self.parent[s] = -1
-        self.depth[s] = 0
-        self.tiers[s] = 0
-        self.freq[s] = 0
-        self.last_gap[s] = np.nan
-        self.gap_ewma[s] = np.nan
-        self.nbytes[s] = 0
-        self.n_children[s] = 0
-        self.res_children[s] = 0
+        self.hash[s] = key  # the other fields hold their defaults: fresh from _alloc/_grow or reset on drop
         self.used[s] = True
         return s
 
@@ -196,6 +196,15 @@ class BlockIndex:
             self.n_children[p] -= 1
         del self._slot[int(self.hash[s])]
         self.used[s] = False
+        self.parent[s] = -1
+        self.depth[s] = 0
+        self.tiers[s] = 0
+        self.freq[s] = 0
+        self.last_gap[s] = np.nan
+        self.gap_ewma[s] = np.nan
+        self.nbytes[s] = 0
+        self.n_children[s] = 0
+        self.res_children[s] = 0
         self._free.append(s)
 
     # ---- updates --------------------------------------------------------------------------------------
@@ -220,9 +229,10 @@ class BlockIndex:
         self.depth[s] = self.depth[p] + 1
         self.n_children[p] += 1
         m = int(self.tiers[s])
-        for r in range(_N_TIERS):
-            if m >> r & 1:
-                self.res_children[p, r] += 1
+        if m:
+            for r in range(_N_TIERS):
+                if m >> r & 1:
+                    self.res_children[p, r] += 1
 
     def _set_tier(self, s: int, r: int) -> bool:
         bit = 1 << r
@@ -259,13 +269,20 @@ class BlockIndex:
         """Block ``h`` (child of ``parent_hash``) is now resident in ``tier``; returns True if newly so.
 
         A store of an unseen block counts as its first access at ``t`` (ms)."""
-        r = _tier_rank(tier)
-        key = to_key(h)
         pkey = None if parent_hash is None else to_key(parent_hash)
-        new = key not in self._slot
-        s = self._ensure(key, pkey, t)
-        if new:
-            self._touch_slot(s, t)
+        return self._store(to_key(h), pkey, _tier_rank(tier), nbytes, t)
+
+    def _store(self, key: int, pkey: int | None, r: int, nbytes: int, t: float) -> bool:
+        s = self._slot.get(key)
+        if s is None:
+            s = self._new_slot(key)
+            self.first_seen[s] = t
+            self.last_access[s] = t
+            self.freq[s] = 1  # the store is its first access
+            if pkey is not None:
+                self._link(s, pkey)
+        elif pkey is not None and self.parent[s] < 0:
+            self._link(s, pkey)
         if nbytes:
             self.nbytes[s] = nbytes
         return self._set_tier(s, r)
@@ -281,11 +298,13 @@ class BlockIndex:
         """Store a chain root-first (vLLM ``BlockStored``: ``parent_hash`` precedes ``hashes[0]``).
 
         Returns how many blocks became newly resident in ``tier``."""
+        r = _tier_rank(tier)
         n = 0
-        parent = parent_hash
+        parent = None if parent_hash is None else to_key(parent_hash)
         for h in hashes:
-            n += self.store(h, parent, tier, nbytes, t)
-            parent = h
+            key = to_key(h)
+            n += self._store(key, parent, r, nbytes, t)
+            parent = key
         return n
 
     def remove(self, h: int, tier: Tier | str | int | None = None) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 
 import numpy as np
@@ -78,34 +77,49 @@ class LFUPolicy(Policy):
 
 
 class LFUDAPolicy(Policy):
-    """LFU with dynamic aging: key = count + L, L = key of the last victim; LRU among equal keys."""
+    """LFU with dynamic aging: key = count + L, L = key of the last victim; LRU among equal keys.
+
+    Keys are integers, so blocks sit in O(1) buckets per key (insertion order = LRU order)."""
 
     name = "lfuda"
 
     def __init__(self, capacity_blocks: int, *, seed: int = 0) -> None:
         super().__init__(capacity_blocks, seed=seed)
-        self._key: dict[int, tuple[float, int]] = {}  # block -> (key, seq) of its live heap entry
         self._cnt: dict[int, int] = {}
-        self._heap: list[tuple[float, int, int]] = []
-        self._age = 0.0
-        self._seq = 0
+        self._key: dict[int, int] = {}
+        self._buckets: dict[int, OrderedDict[int, None]] = {}
+        self._age = 0
+        self._min = 0
 
-    def _push(self, b: int) -> None:
-        self._seq += 1
-        k = (self._cnt[b] + self._age, self._seq)
+    def _place(self, b: int, k: int) -> None:
         self._key[b] = k
-        heapq.heappush(self._heap, (k[0], k[1], b))
+        bucket = self._buckets.get(k)
+        if bucket is None:
+            bucket = self._buckets[k] = OrderedDict()
+        bucket[b] = None
+        if k < self._min or len(self._key) == 1:
+            self._min = k
+
+    def _unplace(self, b: int) -> None:
+        k = self._key.pop(b)
+        bucket = self._buckets[k]
+        del bucket[b]
+        if not bucket:
+            del self._buckets[k]
 
     def _evict_one(self) -> None:
-        heap = self._heap
-        while heap:
-            k, s, b = heapq.heappop(heap)
-            if self._key.get(b) == (k, s):
-                del self._key[b]
-                del self._cnt[b]
-                self._age = k
-                self._evicted.append(b)
-                return
+        buckets = self._buckets
+        while self._min not in buckets:
+            self._min += 1
+        k = self._min
+        bucket = buckets[k]
+        b, _ = bucket.popitem(last=False)
+        if not bucket:
+            del buckets[k]
+        del self._key[b]
+        del self._cnt[b]
+        self._age = k
+        self._evicted.append(b)
 
     def access(self, req: Request) -> HitMask:
         ids = req.hash_ids.tolist()
@@ -114,17 +128,16 @@ class LFUDAPolicy(Policy):
             return np.zeros(len(ids), dtype=np.bool_)
         cnt = self._cnt
         for i, b in enumerate(ids):
-            if b in cnt:
+            c = cnt.get(b)
+            if c is not None:
                 hits[i] = True
-                cnt[b] += 1
+                cnt[b] = c + 1
+                self._unplace(b)
             else:
                 if len(cnt) >= self.capacity_blocks:
                     self._evict_one()
                 cnt[b] = 1
-            self._push(b)
-        if len(self._heap) > 4 * max(16, len(cnt)):
-            self._heap = [(k, s, b) for b, (k, s) in self._key.items()]
-            heapq.heapify(self._heap)
+            self._place(b, cnt[b] + self._age)
         return np.array(hits, dtype=np.bool_)
 
     def contains(self, block: int) -> bool:
@@ -137,5 +150,5 @@ class LFUDAPolicy(Policy):
         if block not in self._cnt:
             return False
         del self._cnt[block]
-        del self._key[block]
+        self._unplace(block)
         return True

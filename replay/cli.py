@@ -6,7 +6,7 @@ import json
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 
@@ -35,7 +35,7 @@ def _progress(total: int, label: str) -> Any:
         yield lambda n: prog.update(task, completed=n)
 
 
-def _fail(msg: str) -> None:
+def _fail(msg: str) -> NoReturn:
     typer.echo(f"error: {msg}", err=True)
     raise typer.Exit(2)
 
@@ -101,7 +101,10 @@ def replay_cmd(
         _fail(str(e))
     if cap is None and tier_cfg is None:
         _fail("give --capacity FRACTION or --capacity-blocks N (or --tiers FILE)")
-    fh = open(per_request, "w") if per_request is not None else None  # noqa: SIM115
+    try:
+        fh = open(per_request, "w") if per_request is not None else None  # noqa: SIM115
+    except OSError as e:
+        _fail(f"cannot write --per-request file: {e}")
     try:
         with _progress(len(wl.requests), f"{policy}") as prog:
             stats = run_one(wl, policy, cap, seed=seed, tiers=tier_cfg, per_request=fh, progress=prog)

@@ -150,7 +150,7 @@ def replay(
         if hits.shape != (n,):
             raise RuntimeError(f"policy {policy.name} returned {hits.shape} hits for {n} blocks")
         nh = int(np.count_nonzero(hits))
-        lead = n if nh == n else int(np.argmin(hits))
+        lead = n if nh == n else int(hits.argmin())
         pt = prefix_tokens(req, lead)
         acc += n
         hits_total += nh
