@@ -350,8 +350,8 @@ class Planner:
             cand = np.flatnonzero(tier_mask & bit)
             prot = np.zeros(cand.size, np.bool_)
             if pins:
-                pin_rank = np.array([pins.get(int(h), Tier.REMOTE).rank for h in view.hashes[cand[pinned_rows[cand]]]],
-                                    np.int64)  # fmt: skip
+                pinned_here = view.hashes[cand[pinned_rows[cand]]]
+                pin_rank = np.array([pins.get(int(h), Tier.REMOTE).rank for h in pinned_here], np.int64)
                 prot[np.flatnonzero(pinned_rows[cand])[pin_rank >= spec.tier.rank]] = True
             rec = recent[cand]
             plan.held["pinned"] += int(np.count_nonzero(prot))

@@ -249,3 +249,61 @@ def test_pinset_block_map_prefers_fastest_tier() -> None:
     ps.add(Pin("b", Tier.GPU, [2], 0.0, ttl_s=10))
     assert ps.block_map(5.0) == {1: Tier.CPU, 2: Tier.GPU}
     assert ps.block_map(11.0) == {1: Tier.CPU, 2: Tier.CPU}
+
+
+def test_run_counts_tick_timeouts_and_skips_overlapping_ticks() -> None:
+    """A stuck actuation makes a tick exceed tick_timeout_s: counted; the runner goes on, skips overlaps."""
+    import asyncio
+    import threading
+    import time as _time
+
+    loop, idx, act, reg, _, clock = make()
+    fill_gpu(idx, clock)
+    release = threading.Event()
+    orig = act._do
+
+    def stuck(action: str, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
+        release.wait(timeout=30)
+        return orig(action, blocks, to)
+
+    act._do = stuck  # type: ignore[method-assign]
+    loop.set_policy(loop.policy.model_copy(update={"tick_timeout_s": 0.2, "tick_interval_s": 0.05}))
+
+    def sample(outcome: str) -> float:
+        return reg.get_sample_value("kvtier_loop_ticks_total", {"outcome": outcome}) or 0.0
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(loop.run(stop, min_interval_s=0.01))
+        deadline = _time.monotonic() + 20
+        while (sample("timeout") < 1 or sample("overlap") < 1) and _time.monotonic() < deadline:
+            await asyncio.sleep(0.02)  # polling a condition with a deadline
+        release.set()
+        while sample("ok") < 1 and _time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        stop.set()
+        await asyncio.wait_for(task, timeout=10)
+
+    asyncio.run(main())
+    assert sample("timeout") >= 1 and sample("overlap") >= 1 and sample("ok") >= 1
+    assert loop.errors["timeout"] >= 1
+
+
+def test_json_log_lines() -> None:
+    import json
+    import logging
+
+    from kvtier.controller.logs import JsonFormatter
+
+    rec = logging.makeLogRecord(
+        {
+            "name": "kvtier.controller.loop",
+            "levelno": 30,
+            "levelname": "WARNING",
+            "msg": "tick %d failed",
+            "args": (3,),
+            "tick": 3,
+        }
+    )
+    out = json.loads(JsonFormatter().format(rec))
+    assert out["msg"] == "tick 3 failed" and out["level"] == "warning" and out["tick"] == 3
