@@ -145,7 +145,9 @@ class KvIngestor:
                         rc[k] = 1
                     c.blocks_stored += nh
                     parents = [pkey, *hs[:-1]]
-                    q.ops.extend(zip(repeat(STORE, nh), hs, parents, repeat(rank, nh), repeat(t_ms, nh), strict=False))
+                    rt = repeat(rank, nh)
+                    stores = zip(repeat(STORE, nh), hs, parents, rt, repeat(t_ms, nh), strict=False)
+                    q.ops.extend(stores)
                     continue
                 for k in hs:
                     if k in mine:  # re-announcement = a hit report

@@ -35,7 +35,7 @@ def _add(out: ParsedText, families: Iterable[object]) -> None:
 
 
 def _blocks(text: str) -> list[str]:
-    """Split exposition text into blocks, one per family header run (``# HELP``/``# TYPE`` lines start one)."""  # noqa: E501
+    """Split exposition text into blocks; a run of ``# HELP``/``# TYPE`` lines starts a block."""
     blocks: list[list[str]] = [[]]
     prev_header = False
     for line in text.splitlines():

@@ -217,7 +217,8 @@ class StorageCollector(Collector[dict[str, object], StorageObservation]):
                 "queue_depth": "Average requests in queue over the last window.",
             }.items()
         }
-        self.g_path = Gauge("kvtier_storage_path_bytes", "Capacity of a tier path, bytes.", ["tier", "path", "kind"],  # noqa: E501
+        self.g_path = Gauge("kvtier_storage_path_bytes", "Capacity of a tier path, bytes.",
+                            ["tier", "path", "kind"],
                             registry=registry)  # fmt: skip
         self.g_nvme = Gauge("kvtier_storage_nvme_controller_live", "1 if the NVMe controller state is live.",
                             ["controller", "transport"], registry=registry)  # fmt: skip
@@ -275,7 +276,8 @@ class StorageCollector(Collector[dict[str, object], StorageObservation]):
                     m.labels(device=d.device)
                 self._last_bytes[key] = total
             for k, v in (
-                ("read_bytes_per_second", d.read_bytes_per_s), ("write_bytes_per_second", d.write_bytes_per_s),  # noqa: E501
+                ("read_bytes_per_second", d.read_bytes_per_s),
+                ("write_bytes_per_second", d.write_bytes_per_s),
                 ("read_iops", d.read_iops), ("write_iops", d.write_iops),
                 ("read_latency_milliseconds", d.avg_read_latency_ms),
                 ("write_latency_milliseconds", d.avg_write_latency_ms),

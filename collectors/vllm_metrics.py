@@ -57,10 +57,12 @@ KNOWN_FAMILIES = EXPECTED_FAMILIES | frozenset(
         "vllm:admission_rejections", "vllm:request_time_per_output_token_seconds",
         "vllm:request_queue_time_seconds", "vllm:request_inference_time_seconds",
         "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds", "vllm:request_prompt_tokens",
-        "vllm:request_generation_tokens", "vllm:iteration_tokens_total", "vllm:request_max_num_generation_tokens",  # noqa: E501
+        "vllm:request_generation_tokens", "vllm:iteration_tokens_total",
+        "vllm:request_max_num_generation_tokens",
         "vllm:request_params_n", "vllm:request_params_max_tokens", "vllm:request_num_preemptions",
         "vllm:request_prefill_kv_computed_tokens", "vllm:kv_block_lifetime_seconds",
-        "vllm:kv_block_idle_before_evict_seconds", "vllm:kv_block_reuse_gap_seconds", "vllm:engine_sleep_state",  # noqa: E501
+        "vllm:kv_block_idle_before_evict_seconds", "vllm:kv_block_reuse_gap_seconds",
+        "vllm:engine_sleep_state",
         "vllm:cache_config_info", "vllm:mm_cache_queries", "vllm:mm_cache_hits",
         "vllm:estimated_flops_per_gpu", "vllm:estimated_read_bytes_per_gpu",
         "vllm:estimated_write_bytes_per_gpu", "vllm:lora_requests_info",
@@ -321,7 +323,7 @@ def _family_gauge(registry: CollectorRegistry) -> Gauge:
     if g is None:
         g = Gauge(
             "kvtier_vllm_metric_families",
-            "vllm: metric families not known to kvtier (unknown) or expected but absent (missing) at the last scrape.",  # noqa: E501
+            "vllm: families unknown to kvtier, or expected but absent (missing), at the last scrape.",
             ["collector", "state"],
             registry=registry,
         )

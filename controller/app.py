@@ -41,7 +41,7 @@ def create_app(sidecar: Sidecar, *, manage_lifecycle: bool = True, title: str = 
 
     @app.get("/v1/status")
     def status(request: Request) -> dict[str, Any]:
-        """Blocks per tier, KV-event counts, engines with their latest metrics sample, cache layers, storage."""  # noqa: E501
+        """Blocks per tier, KV-event counts, engines with their latest sample, cache layers, storage."""
         out: dict[str, Any] = request.app.state.sidecar.status()
         return out
 

@@ -49,10 +49,10 @@ class KvMetricsExporter(PromCollector):
         ing = self.sc.ingestor
         ev = CounterMetricFamily("kvtier_kv_events", "KV-cache events received, by engine and type.",
                                  labels=["engine", "type"])  # fmt: skip
-        blk = CounterMetricFamily("kvtier_kv_block_events", "Block hashes in KV events, by engine and operation.",  # noqa: E501
+        blk = CounterMetricFamily("kvtier_kv_block_events", "Block hashes in KV events, by engine and op.",
                                   labels=["engine", "op"])  # fmt: skip
         lost = CounterMetricFamily("kvtier_kv_events_lost",
-                                   "KV-event batches lost (sequence gaps not recovered by replay), by engine.",  # noqa: E501
+                                   "KV-event batches lost (sequence gaps not replayed), by engine.",
                                    labels=["engine"])  # fmt: skip
         rep = CounterMetricFamily("kvtier_kv_events_replayed", "KV-event batches recovered by replay.",
                                   labels=["engine"])  # fmt: skip
@@ -121,8 +121,13 @@ class Sidecar:
         for url in settings.mooncake_urls:
             self.cache_collectors.append(self._cache_collector("mooncake", "MooncakeCollector", url, kw))
         if settings.storage_enabled:
-            self.storage = StorageCollector(registry=self.registry, clock=clock, root=settings.storage_root,
-                                            tier_paths=settings.tier_paths, devices=settings.storage_devices)  # fmt: skip  # noqa: E501
+            self.storage = StorageCollector(
+                registry=self.registry,
+                clock=clock,
+                root=settings.storage_root,
+                tier_paths=settings.tier_paths,
+                devices=settings.storage_devices,
+            )
         self.registry.register(KvMetricsExporter(self))
 
     def _cache_collector(self, module: str, cls: str, url: str, kw: dict[str, Any]) -> Collector[Any, Any]:

@@ -15,7 +15,6 @@ unsigned. Falls back to the one-by-one path when ``max_blocks`` would force recl
 
 from __future__ import annotations
 
-from itertools import compress
 from operator import itemgetter
 
 import numpy as np
@@ -146,25 +145,23 @@ def apply_ops(idx: BlockIndex, q: OpQueue) -> None:
     keys = _keys(c_key)
     ranks = np.array(c_rank, dtype=np.int64)
     ts = np.array(c_t, dtype=np.float64)
-    # allocate slots for untracked keys of STORE ops (first occurrence order, time of that store)
+    # slots of tracked keys; untracked keys of STORE ops get new slots (time of their first store)
     slot = idx._slot
     slot_get = slot.get
     kl = keys.tolist()
+    slots = np.array([slot_get(k, -1) for k in kl], dtype=np.int64)
     first_store: dict[int, int] = {}  # new key -> index of its first STORE
-    st_idx = np.flatnonzero(op == STORE)
-    if st_idx.size:
-        u, first = _unique_first(keys[st_idx])
-        o = np.argsort(first, kind="stable")
-        cand, cand_i = u[o].tolist(), st_idx[first[o]].tolist()
-        new_mask = [k not in slot for k in cand]
-        new_keys = list(compress(cand, new_mask))
-        new_i = list(compress(cand_i, new_mask))
-        first_store = dict(zip(new_keys, new_i, strict=True))
-        if not _allocate(idx, new_keys, ts[new_i].tolist()):
+    miss = np.flatnonzero((slots < 0) & (op == STORE))
+    if miss.size:
+        mi = miss.tolist()
+        first_store = dict(zip(reversed(keys[miss].tolist()), reversed(mi), strict=True))  # first wins
+        new_keys = list(first_store)
+        if not _allocate(idx, new_keys, ts[list(first_store.values())].tolist()):
             _slow(idx, q)
             q.clear()
             return
-    slots = np.array([slot_get(k, -1) for k in kl], dtype=np.int64)
+        neg = np.flatnonzero(slots < 0)  # incl. REMOVE/TOUCH of keys first stored in this window
+        slots[neg] = [slot_get(k, -1) for k in keys[neg].tolist()]
     has_parent = np.array([p is not None for p in c_par], dtype=np.bool_)
     pslots = np.full(n, -1, dtype=np.int64)
     if has_parent.any():

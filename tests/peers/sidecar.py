@@ -67,7 +67,7 @@ class SidecarThread:
 
 
 def wait_for(cond: Any, timeout_s: float, what: str, error: Any = None, interval_s: float = 0.2) -> Any:
-    """Poll ``cond()`` until truthy (returns its value); raise TimeoutError naming ``what`` at the deadline."""  # noqa: E501
+    """Poll ``cond()`` until truthy and return its value; TimeoutError naming ``what`` at the deadline."""
     deadline = time.monotonic() + timeout_s
     last: Any = None
     while time.monotonic() < deadline:

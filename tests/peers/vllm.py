@@ -172,7 +172,7 @@ class VllmServer:
         if self._owns_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    # -- requests ---------------------------------------------------------------------------------------------  # noqa: E501
+    # -- requests -------------------------------------------------------------------------------------
     def complete(
         self, prompt: str | list[int], max_tokens: int = 4, timeout_s: float = 120.0, **extra: Any
     ) -> dict[str, Any]:
