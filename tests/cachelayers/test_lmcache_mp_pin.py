@@ -1,8 +1,8 @@
 """An (emulated) pin to ``cpu`` on the REAL LMCache MP server keeps a prefix in L1 under pressure: a tiny
 L1 (5 MB = 81 chunks) is flooded with 30 other sequences (4 chunks each, one every 0.25 s) by LMCache's own
-worker adapter; the sequence
-stored at the same time as the pinned one is evicted from L1; the pinned one was evicted too (its refresh
-reloads 4 chunks from L2) and is back in L1 after the loop's ``refresh_pins()``. L1 residency is read destructively at the end (``DELETE`` tier l1 per key)."""
+worker adapter. The sequence stored at the same time as the pinned one is evicted from L1; the pinned one
+was evicted too (its refresh reloads 4 chunks from L2) and is back in L1 after the loop's
+``refresh_pins()``. L1 residency is read destructively at the end (``DELETE`` tier l1 per key)."""
 
 from __future__ import annotations
 
