@@ -51,7 +51,7 @@ class Demo:
 
     def __init__(self, opts: DemoOptions) -> None:
         from kvtier.controller.control_sidecar import ControlledSidecar, create_controlled_app
-        from kvtier.controller.emulated import EmulatedCache, with_lower_policy
+        from kvtier.controller.emulated import EmulatedCache, EmulatedIngestor, with_lower_policy
         from kvtier.controller.policy_doc import PolicyDoc, PredictorSettings, TierConfig
         from kvtier.controller.settings import Settings
         from kvtier.controller.status_page import install_status_page
@@ -71,9 +71,15 @@ class Demo:
         self.now_s = self.t0_ms / 1e3
         self._tmp = None if opts.state_dir else tempfile.TemporaryDirectory(prefix="kvtier-demo-")
         state_dir = opts.state_dir or (self._tmp.name if self._tmp else ".")
-        settings = Settings(engine_urls=[], listen=opts.listen, mode="shadow", actuators=["shadow"],
-                            state_dir=state_dir, log_level="WARNING")  # fmt: skip
-        self.sidecar = ControlledSidecar(settings)
+        settings = Settings(
+            engine_urls=[],
+            listen=opts.listen,
+            mode="shadow",
+            actuators=["shadow"],
+            state_dir=state_dir,
+            log_level="WARNING",
+        )
+        self.sidecar = ControlledSidecar(settings, ingestor=EmulatedIngestor())
         plane = self.sidecar.plane
         self.lock = threading.Lock()
         loop = plane.loop
@@ -91,17 +97,22 @@ class Demo:
         doc = PolicyDoc(
             mode="shadow",
             tiers=[
-                TierConfig(tier=normalize_tier(s.name), capacity_blocks=st.policy.capacity_blocks,
-                           load_bandwidth_bytes_s=max(s.read_gbps, 1e-3) * 1e9 if k else 2e12)
+                TierConfig(
+                    tier=normalize_tier(s.name),
+                    capacity_blocks=st.policy.capacity_blocks,
+                    load_bandwidth_bytes_s=max(s.read_gbps, 1e-3) * 1e9 if k else 2e12,
+                )
                 for k, (s, st) in enumerate(zip(tc.tiers, learned._t, strict=True))
-            ],  # fmt: skip
+            ],
             block_size_tokens=tc.block_tokens,
             block_bytes=bb,
             prefill_s_per_token=1.0 / tc.model.prefill_tokens_per_s,
             tick_interval_s=0.5,
             shadow_horizon_s=300.0,
             hysteresis_s=300.0,
-            predictor=PredictorSettings(kind="learned", retrain_interval_s=8.0, horizon_s=300.0, seed=opts.seed),
+            predictor=PredictorSettings(
+                kind="learned", retrain_interval_s=8.0, horizon_s=300.0, seed=opts.seed
+            ),
         )
         loop.set_policy(doc)
         loop._commit_policy()
@@ -122,7 +133,9 @@ class Demo:
         due_ms = self.t0_ms + wall_elapsed_s * self.opts.speed * 1e3
         n = 0
         with self.lock:
-            while self.served < len(reqs) and n < self.opts.batch and reqs[self.served].timestamp_ms <= due_ms:
+            while (
+                self.served < len(reqs) and n < self.opts.batch and reqs[self.served].timestamp_ms <= due_ms
+            ):
                 r = reqs[self.served]
                 self.now_s = r.timestamp_ms / 1e3
                 self.learned.serve(r)
@@ -150,7 +163,9 @@ class Demo:
                 "ticks": self.sidecar.plane.loop.tick_no,
                 "decisions": self.sidecar.plane.loop.decisions.total,
                 "shadow": self.sidecar.plane.loop.decisions.report.to_dict(),
-                "model": {k: v for k, v in self.sidecar.plane.ctx.models.info().items() if k != "calibration"},
+                "model": {
+                    k: v for k, v in self.sidecar.plane.ctx.models.info().items() if k != "calibration"
+                },
             },
         }
 
@@ -173,6 +188,8 @@ class Demo:
             while True:
                 el = time.monotonic() - self.started_wall
                 if self.opts.duration_s is not None and el >= self.opts.duration_s:
+                    break
+                if serve_task.done():  # the server stopped (SIGINT / SIGTERM)
                     break
                 n = await asyncio.to_thread(self.step, el)
                 if self.finished:
@@ -204,8 +221,10 @@ def comparison_table(res: dict[str, Any]) -> Any:
     from rich.table import Table
 
     a, b = res["lru"], res["learned"]
-    t = Table(title=f"kvtier demo — {res['model']}, {res['requests']} requests "
-                    f"({res['trace_seconds']:.0f} s of trace): cache layer LRU vs kvtier learned")  # fmt: skip
+    t = Table(
+        title=f"kvtier demo — {res['model']}, {res['requests']} requests "
+        f"({res['trace_seconds']:.0f} s of trace): cache layer LRU vs kvtier learned"
+    )
     t.add_column("metric")
     t.add_column("LRU (default)", justify="right")
     t.add_column("kvtier learned", justify="right")
@@ -214,13 +233,22 @@ def comparison_table(res: dict[str, Any]) -> Any:
     def pct(x: float) -> str:
         return f"{100 * x:.1f}%"
 
-    t.add_row("prefix hit (all tiers)", pct(a["prefix_hit"]), pct(b["prefix_hit"]),
-              f"{100 * (b['prefix_hit'] - a['prefix_hit']):+.1f} pt")  # fmt: skip
+    t.add_row(
+        "prefix hit (all tiers)",
+        pct(a["prefix_hit"]),
+        pct(b["prefix_hit"]),
+        f"{100 * (b['prefix_hit'] - a['prefix_hit']):+.1f} pt",
+    )
     for tier in res["tiers"]:
         x, y = a["prefix_hit_by_tier"].get(tier, 0.0), b["prefix_hit_by_tier"].get(tier, 0.0)
         t.add_row(f"  prefix hit from {tier}", pct(x), pct(y), f"{100 * (y - x):+.1f} pt")
     ta, tb = a["bytes_moved_total"], b["bytes_moved_total"]
-    t.add_row("bytes moved (all links)", _fmt_bytes(ta), _fmt_bytes(tb), f"{(tb / ta - 1) * 100:+.0f}%" if ta else "")
+    t.add_row(
+        "bytes moved (all links)",
+        _fmt_bytes(ta),
+        _fmt_bytes(tb),
+        f"{(tb / ta - 1) * 100:+.0f}%" if ta else "",
+    )
     for link in sorted(set(a["bytes_moved"]) | set(b["bytes_moved"])):
         x, y = a["bytes_moved"].get(link, 0), b["bytes_moved"].get(link, 0)
         t.add_row(f"  {link}", _fmt_bytes(x), _fmt_bytes(y), f"{(y / x - 1) * 100:+.0f}%" if x else "")
@@ -228,15 +256,21 @@ def comparison_table(res: dict[str, Any]) -> Any:
         x, y = a[key], b[key]
         t.add_row(label, f"{x:.0f} ms", f"{y:.0f} ms", f"{(y / x - 1) * 100:+.1f}%" if x else "")
     x, y = a["throughput_tokens_s"], b["throughput_tokens_s"]
-    t.add_row("throughput (prefill-bound)", f"{x:,.0f} tok/s", f"{y:,.0f} tok/s",
-              f"{(y / x - 1) * 100:+.1f}%" if x else "")  # fmt: skip
+    t.add_row(
+        "throughput (prefill-bound)",
+        f"{x:,.0f} tok/s",
+        f"{y:,.0f} tok/s",
+        f"{(y / x - 1) * 100:+.1f}%" if x else "",
+    )
     x, y = a["throughput_req_s"], b["throughput_req_s"]
     t.add_row("  requests/s", f"{x:.2f}", f"{y:.2f}", f"{(y / x - 1) * 100:+.1f}%" if x else "")
     return t
 
 
 def demo(
-    model: str = typer.Option("llama3-8b", "--model", help="Model tier config (replay/configs) or a YAML path."),
+    model: str = typer.Option(
+        "llama3-8b", "--model", help="Model tier config (replay/configs) or a YAML path."
+    ),
     speed: float = typer.Option(DEFAULT_SPEED, "--speed", help="Trace seconds replayed per wall second."),
     duration: float = typer.Option(None, "--duration", help="Stop after S wall seconds [end of trace]."),
     listen: str = typer.Option("127.0.0.1:8787", "--listen", help="HOST:PORT for /, /metrics and the API."),
@@ -254,30 +288,50 @@ def demo(
     configure_logging("WARNING")
     console = Console()
     try:
-        d = Demo(DemoOptions(model=model, speed=speed, duration_s=duration, listen=listen,
-                             max_requests=max_requests, state_dir=str(state_dir) if state_dir else None,
-                             seed=seed))  # fmt: skip
+        d = Demo(
+            DemoOptions(
+                model=model,
+                speed=speed,
+                duration_s=duration,
+                listen=listen,
+                max_requests=max_requests,
+                state_dir=str(state_dir) if state_dir else None,
+                seed=seed,
+            )
+        )
     except (ValueError, OSError) as exc:
         typer.echo(f"kvtier demo: {exc}", err=True)
         raise typer.Exit(2) from exc
     n = len(d.workload.requests)
     tc = d.tier_config
-    console.print(f"[bold]kvtier demo[/]: {n} requests of the bundled conversation trace at {speed:g}x, "
-                  f"model {tc.model.name} ({tc.block_bytes / 2**20:.0f} MiB per {tc.block_tokens}-token block), "
-                  f"tiers {' -> '.join(t.name for t in tc.tiers)}")  # fmt: skip
+    console.print(
+        f"[bold]kvtier demo[/]: {n} requests of the bundled conversation trace at {speed:g}x, "
+        f"model {tc.model.name} ({tc.block_bytes / 2**20:.0f} MiB per {tc.block_tokens}-token block), "
+        f"tiers {' -> '.join(t.name for t in tc.tiers)}"
+    )
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     live = sys.stdout.isatty()
-    bar = Progress(TextColumn("[bold]replay"), BarColumn(), TextColumn("{task.completed}/{task.total} req"),
-                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, disable=not live)  # fmt: skip
+    bar = Progress(
+        TextColumn("[bold]replay"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} req"),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not live,
+    )
     task = bar.add_task("replay", total=n, info="")
     last_line = [0.0]
 
     def progress(x: Demo) -> None:
         a, b = x.lru.report(), x.learned.report()
-        info = (f"trace {x.now_s - x.t0_ms / 1e3:6.0f} s | prefix hit LRU {100 * a['prefix_hit']:.1f}% "
-                f"learned {100 * b['prefix_hit']:.1f}% | TTFT p50 {a['ttft_p50_ms']:.0f}/{b['ttft_p50_ms']:.0f} ms"
-                f" | ticks {x.sidecar.plane.loop.tick_no} decisions {x.sidecar.plane.loop.decisions.total}")  # fmt: skip
+        info = (
+            f"trace {x.now_s - x.t0_ms / 1e3:6.0f} s | prefix hit LRU {100 * a['prefix_hit']:.1f}% "
+            f"learned {100 * b['prefix_hit']:.1f}% | "
+            f"TTFT p50 {a['ttft_p50_ms']:.0f}/{b['ttft_p50_ms']:.0f} ms"
+            f" | ticks {x.sidecar.plane.loop.tick_no} decisions {x.sidecar.plane.loop.decisions.total}"
+        )
         bar.update(task, completed=x.served, info=info)
         now = time.monotonic()
         if not live and now - last_line[0] >= 5.0:
@@ -295,8 +349,10 @@ def demo(
         raise typer.Exit(2) from exc
     console.print(comparison_table(res))
     c = res["controller"]
-    console.print(f"controller: {c['ticks']} ticks, {c['decisions']} shadow decisions, "
-                  f"shadow precision {c['shadow'].get('precision')}, predictor AUC {c['model'].get('auc')}")  # fmt: skip
+    console.print(
+        f"controller: {c['ticks']} ticks, {c['decisions']} shadow decisions, "
+        f"shadow precision {c['shadow'].get('precision')}, predictor AUC {c['model'].get('auc')}"
+    )
     if json_out:
         json_out.write_text(json.dumps(res, indent=2, default=str))
 

@@ -13,10 +13,18 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.controller.control_sidecar import ControlIngestor
 from kvtier.controller.tier_metrics import TierMetrics
 from kvtier.policies.base import Request
 from kvtier.policies.index import BlockIndex
 from kvtier.replay.tiers import TierConfig, TierStack
+
+
+class EmulatedIngestor(ControlIngestor):
+    """No KV events in the emulation: blocks tracked per tier come straight from the index it fills."""
+
+    def blocks_tracked(self) -> dict[str, int]:
+        return {t.value: int(n) for t, n in self.index.count_by_tier().items()}
 
 
 def with_lower_policy(config: TierConfig, policy: str = "lru") -> TierConfig:
@@ -91,7 +99,9 @@ class EmulatedCache:
             self.stack._down[k] += len(ev)
             for b in ev:
                 self.stack._where[b] = k
-            st[k].policy.access(Request(req.timestamp_ms, 0, 0, np.asarray(ev, dtype=np.int64), req.block_tokens))
+            st[k].policy.access(
+                Request(req.timestamp_ms, 0, 0, np.asarray(ev, dtype=np.int64), req.block_tokens)
+            )
             ev = st[k].policy.drain_evicted()
             st[k].evictions += len(ev)
         self.stack.dropped += len(ev)

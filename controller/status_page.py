@@ -134,7 +134,9 @@ def install_status_page(app: FastAPI, registry: CollectorRegistry, *, interval_s
         return HTMLResponse(html)
 
     @app.get("/v1/history", tags=["status"])
-    def history(since: float = Query(0.0, description="only samples newer than this (unix s)")) -> dict[str, Any]:
+    def history(
+        since: float = Query(0.0, description="only samples newer than this (unix s)"),
+    ) -> dict[str, Any]:
         """Samples of tier usage, hit tokens, bytes moved, decisions and predictor AUC over time."""
         return {"interval_s": hist.interval_s, "samples": hist.since(since)}
 

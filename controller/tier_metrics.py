@@ -26,7 +26,9 @@ class TierMetrics:
         r = registry
         self.tiers = tuple(tiers)
         self.used = Gauge("kvtier_tier_used_bytes", "Bytes resident in the tier.", ["tier"], registry=r)
-        self.capacity = Gauge("kvtier_tier_capacity_bytes", "Capacity of the tier, bytes.", ["tier"], registry=r)
+        self.capacity = Gauge(
+            "kvtier_tier_capacity_bytes", "Capacity of the tier, bytes.", ["tier"], registry=r
+        )
         self.hit_tokens = Counter(
             "kvtier_tier_hit_tokens", "Prefix tokens served from the tier.", ["tier"], registry=r
         )
@@ -80,7 +82,7 @@ class PlaneGauges:
 
 
 def expected_calibration_error(bins: Iterable[Any]) -> float | None:
-    """ECE from reliability bins (``policies.predictor.reliability``: count, mean_pred, observed); None if empty."""
+    """ECE from reliability bins (``policies.predictor.reliability`` dicts); None if empty."""
     tot = 0.0
     acc = 0.0
     for b in bins:
