@@ -28,6 +28,7 @@ import pytest
 from dashboards import lint
 from kvtier.controller.actuators.lmcache_keys import object_keys
 from tests.e2e import prom as promlib
+from tests.e2e.demo_proc import running_demo
 from tests.peers.lmcache import LMCacheMPServer, VllmWithLMCache
 from tests.peers.procs import free_port, start, stop, wait_for
 
@@ -79,7 +80,9 @@ def lmcache_target(stack: Stack) -> list[str]:
 
 @pytest.fixture(scope="module")
 def kvtier_target(stack: Stack) -> Iterator[list[str]]:
-    """The sidecar watching the same vLLM and LMCache server (``kvtier serve``)."""
+    """Job ``kvtier``: the sidecar watching the same vLLM and LMCache server (``kvtier serve``) and the
+    embedded demo (``kvtier demo``: the same sidecar over the bundled trace on emulated tiers, which is what
+    fills the ``kvtier_tier_*`` and predictor panels)."""
     port = free_port()
     wd = Path(tempfile.mkdtemp(prefix="kvtier-sidecar-"))
     cmd = [
@@ -103,7 +106,9 @@ def kvtier_target(stack: Stack) -> Iterator[list[str]]:
             proc=proc,
             log=wd / "kvtier.log",
         )
-        yield [f"127.0.0.1:{port}"]
+        # slow enough to outlast the run (the trace spans 59 min; 5x = 12 min), bounded anyway
+        with running_demo("--speed", "5", "--duration", "1500") as demo:
+            yield [f"127.0.0.1:{port}", demo.target]
     finally:
         stop(proc)
         shutil.rmtree(wd, ignore_errors=True)
