@@ -253,7 +253,7 @@ def tiers() -> Dashboard:
             "Average I/O latency",
             T(q.DEV_READ_LAT, "read {{device}}"),
             T(q.DEV_WRITE_LAT, "write {{device}}"),
-            unit="s",
+            unit="ms",
             width=8,
         ),
         ts("Utilisation (busy time)", T(q.DEV_UTIL, "{{device}}"), unit="percentunit", min=0, max=1, width=8),

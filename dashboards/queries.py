@@ -103,21 +103,16 @@ LMC_L2_STORES = rate("lmcache_mp_l2_store_completed_objects_chunks_total", "", "
 LMC_L2_LOADS = rate("lmcache_mp_l2_prefetch_load_completed_chunks_total", "", "instance")
 DEV_READ_BPS = rate("kvtier_storage_device_read_bytes_total", "", "device")
 DEV_WRITE_BPS = rate("kvtier_storage_device_write_bytes_total", "", "device")
-DEV_READ_IOPS = rate("kvtier_storage_device_reads_total", "", "device")
-DEV_WRITE_IOPS = rate("kvtier_storage_device_writes_total", "", "device")
-DEV_READ_LAT = ratio(
-    rate("kvtier_storage_device_read_time_seconds_total", "", "device"),
-    rate("kvtier_storage_device_reads_total", "", "device"),
-)
-DEV_WRITE_LAT = ratio(
-    rate("kvtier_storage_device_write_time_seconds_total", "", "device"),
-    rate("kvtier_storage_device_writes_total", "", "device"),
-)
-DEV_UTIL = rate("kvtier_storage_device_io_time_seconds_total", "", "device")
+# window figures the storage collector computes from /proc/diskstats (gauges, per device)
+DEV_READ_IOPS = "sum by (device) (kvtier_storage_device_read_iops)"
+DEV_WRITE_IOPS = "sum by (device) (kvtier_storage_device_write_iops)"
+DEV_READ_LAT = "max by (device) (kvtier_storage_device_read_latency_milliseconds)"
+DEV_WRITE_LAT = "max by (device) (kvtier_storage_device_write_latency_milliseconds)"
+DEV_UTIL = "max by (device) (kvtier_storage_device_utilization_ratio)"
 DEV_QUEUE = "sum by (device) (kvtier_storage_device_queue_depth)"
 PATH_USAGE = ratio(
-    f"sum by (tier, path) (kvtier_storage_path_used_bytes{{{TIER}}})",
-    f"sum by (tier, path) (kvtier_storage_path_capacity_bytes{{{TIER}}})",
+    f'sum by (tier, path) (kvtier_storage_path_bytes{{kind="used", {TIER}}})',
+    f'sum by (tier, path) (kvtier_storage_path_bytes{{kind="total", {TIER}}})',
 )
 NVME_PATHS = "sum by (state) (kvtier_storage_nvme_paths)"
 

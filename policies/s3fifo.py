@@ -74,20 +74,24 @@ class S3FIFOPolicy(Policy):
 
     def access(self, req: Request) -> HitMask:
         ids = req.hash_ids.tolist()
-        hits = [False] * len(ids)
         cap = self.capacity_blocks
         if cap == 0:
             return np.zeros(len(ids), dtype=np.bool_)
         f, s, m, g = self._f, self._s, self._m, self._g
+        get = f.get
+        hits = [False] * len(ids)
+        evict = self._evict
         for i, b in enumerate(ids):
-            c = f.get(b)
+            c = get(b)
             if c is not None:
                 hits[i] = True
                 if c < 3:
                     f[b] = c + 1
                 continue
-            while len(s) + len(m) >= cap:
-                self._evict()
+            if len(f) >= cap:  # resident = S + M = keys of f
+                evict()
+                while len(f) >= cap:
+                    evict()
             f[b] = 0
             if b in g:
                 del g[b]

@@ -137,9 +137,17 @@ def replay_cmd(
     con.print(t)
     if stats.tiers is not None:
         tt = Table(title="per tier")
-        cols = ["tier", "policy", "capacity_blocks", "hit_blocks", "prefix_hit_tokens", "evictions"]
-        for c in cols:
-            tt.add_column(c)
+        cols = {
+            "tier": "tier",
+            "policy": "policy",
+            "capacity_blocks": "blocks",
+            "hit_blocks": "hits",
+            "prefix_hit_tokens": "prefix tokens",
+            "evictions": "evicted",
+            "write_utilization": "write util",
+        }
+        for label in cols.values():
+            tt.add_column(label, no_wrap=True)
         for row in stats.tiers:
             tt.add_row(*(str(row[c]) for c in cols))
         con.print(tt)

@@ -12,6 +12,7 @@ Run: ``pytest tests/e2e/test_dashboard_queries.py -s`` (``-s`` shows the per-que
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import subprocess
@@ -29,7 +30,8 @@ from dashboards import lint
 from kvtier.controller.actuators.lmcache_keys import object_keys
 from tests.e2e import prom as promlib
 from tests.e2e.demo_proc import running_demo
-from tests.peers.lmcache import LMCacheMPServer, VllmWithLMCache
+from tests.peers import vllm as vllm_peer
+from tests.peers.lmcache import LMCacheMPServer
 from tests.peers.procs import free_port, start, stop, wait_for
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.vllm, pytest.mark.lmcache]
@@ -41,8 +43,12 @@ RULES = sorted((REPO / "deploy" / "prometheus" / "rules").glob("*.yml"))
 SCRAPED: dict[str, str] = {
     "vllm": "vllm_target",
     "lmcache": "lmcache_target",
-    # "kvtier": "kvtier_target",  # <- enable once `kvtier serve` is on main
+    "kvtier": "kvtier_target",
 }
+# Contract metrics (dashboards/METRICS.md) that no merged code emits yet: issue 4's controller metrics and the
+# tier-level figures. Queries reading one are reported PENDING and must return nothing; once one returns data
+# the test fails until its metric is removed here, so this set only shrinks (empty = the issue's goal).
+PENDING: set[str] = set()  # all landed: controller metrics (control) and tier figures (kvtier demo)
 # Grafana's $__rate_interval for this run: long enough to span the whole traffic phase.
 VARS = {"__rate_interval": "2m"}
 
@@ -50,20 +56,41 @@ VARS = {"__rate_interval": "2m"}
 @dataclass
 class Stack:
     lmcache: LMCacheMPServer
-    vllm: VllmWithLMCache
+    vllm: vllm_peer.VllmServer
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     wd = Path(tempfile.mkdtemp(prefix="kvtier-e2e-"))
     server = LMCacheMPServer(wd, l1_gb=0.25)
-    engine = VllmWithLMCache(server)
+    engine: vllm_peer.VllmServer | None = None
     try:
         server.start()
-        engine.start(timeout_s=900)
+        connector = {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "lmcache.mp.host": "tcp://127.0.0.1",
+                "lmcache.mp.port": server.zmq_port,
+                "lmcache.mp.mq_timeout": 30,
+            },
+        }
+        # KV events on (the peer's default), prefix caching with the sha256_cbor hashes docker-compose uses
+        engine = vllm_peer.start(
+            extra_args=[
+                "--kv-transfer-config",
+                json.dumps(connector),
+                "--prefix-caching-hash-algo",
+                "sha256_cbor",
+            ],
+            num_gpu_blocks=48,
+            workdir=wd / "vllm",
+            timeout_s=900,
+        )
         yield Stack(server, engine)
     finally:
-        engine.stop()
+        if engine is not None:
+            engine.cleanup()
         server.stop()
         shutil.rmtree(wd, ignore_errors=True)
 
@@ -81,8 +108,8 @@ def lmcache_target(stack: Stack) -> list[str]:
 @pytest.fixture(scope="module")
 def kvtier_target(stack: Stack) -> Iterator[list[str]]:
     """Job ``kvtier``: the sidecar watching the same vLLM and LMCache server (``kvtier serve``) and the
-    embedded demo (``kvtier demo``: the same sidecar over the bundled trace on emulated tiers, which is what
-    fills the ``kvtier_tier_*`` and predictor panels)."""
+    embedded demo (``kvtier demo``, a real subprocess: the same sidecar over the bundled trace on emulated
+    tiers, which fills the ``kvtier_tier_*`` and predictor panels)."""
     port = free_port()
     wd = Path(tempfile.mkdtemp(prefix="kvtier-sidecar-"))
     cmd = [
@@ -97,7 +124,14 @@ def kvtier_target(stack: Stack) -> Iterator[list[str]]:
         "--listen",
         f"127.0.0.1:{port}",
     ]
-    proc: subprocess.Popen[bytes] = start(cmd, wd / "kvtier.log", env={"KVTIER_STATE_DIR": str(wd)})
+    proc: subprocess.Popen[bytes] = start(
+        cmd,
+        wd / "kvtier.log",
+        env={
+            "KVTIER_STATE_DIR": str(wd),
+            "KVTIER_TIER_PATHS": json.dumps({"disk": str(stack.lmcache.l2_dir)}),
+        },
+    )
     try:
         wait_for(
             lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200,
@@ -106,7 +140,7 @@ def kvtier_target(stack: Stack) -> Iterator[list[str]]:
             proc=proc,
             log=wd / "kvtier.log",
         )
-        # slow enough to outlast the run (the trace spans 59 min; 5x = 12 min), bounded anyway
+        # slow enough to outlast the run (the trace spans 59 min; at 5x, 12 min), bounded anyway
         with running_demo("--speed", "5", "--duration", "1500") as demo:
             yield [f"127.0.0.1:{port}", demo.target]
     finally:
@@ -133,7 +167,7 @@ def drive_traffic(stack: Stack, seed: int = 0) -> int:
     """
     rng = random.Random(seed)
     shared = [rng.randrange(10, 500) for _ in range(520)]
-    keys = [k.encoded() for k in object_keys(stack.vllm.model_path, shared, stack.lmcache.chunk_size)]
+    keys = [k.encoded() for k in object_keys(stack.vllm.model, shared, stack.lmcache.chunk_size)]
     sent = 0
     with httpx.Client(timeout=300) as c:
 
@@ -164,7 +198,7 @@ def drive_traffic(stack: Stack, seed: int = 0) -> int:
         delete_l1()
         r = c.post(
             stack.lmcache.url + "/cache/prefetches",
-            json={"model_name": stack.vllm.model_path, "world_size": 1, "token_ids": shared},
+            json={"model_name": stack.vllm.model, "world_size": 1, "token_ids": shared},
         )
         r.raise_for_status()
         rid = r.json()["request_id"]
@@ -192,12 +226,18 @@ class Result:
     validated: bool = True
 
     @property
+    def pending(self) -> set[str]:
+        return self.query.metrics & PENDING
+
+    @property
     def line(self) -> str:
         src = ",".join(sorted(self.query.sources)) or "-"
         if self.error:
             state = "ERROR"
         elif not self.validated:
             state = "NOT VALIDATED" if not self.series else "ok (unscraped)"
+        elif self.pending:
+            state = "PENDING" if not self.series else "UNEXPECTED DATA"
         elif not self.series:
             state = "EMPTY"
         else:
@@ -221,7 +261,8 @@ def evaluate(prom: promlib.Prometheus, scraped: set[str], at: float) -> list[Res
                 vec = prom.query(expr, at=at)
                 res.series = len(vec)
                 res.nan = sum(1 for v in vec if v["value"][1] in ("NaN", "+Inf", "-Inf"))
-                res.sample = f"= {float(vec[0]['value'][1]):.4g}" if vec else ""
+                vals = [float(v["value"][1]) for v in vec]
+                res.sample = f"first {vals[0]:.4g}, sum {sum(vals):.4g}" if vals else ""
         except promlib.PromQLError as e:
             res.error = str(e)
         out.append(res)
@@ -249,12 +290,18 @@ def test_every_dashboard_query_returns_data(prometheus: promlib.Prometheus, traf
     for r in results:
         print(r.line)
     errors = [r for r in results if r.error]
-    empty = [r for r in results if r.validated and not r.error and not r.series]
-    pending = [r for r in results if not r.validated and not r.series]
+    empty = [r for r in results if r.validated and not r.error and not r.series and not r.pending]
+    pending = [r for r in results if r.validated and r.pending and not r.series]
+    landed = [r for r in results if r.validated and r.pending and r.series]
+    unscraped = [r for r in results if not r.validated and not r.series]
+    ok = len(results) - len(errors) - len(empty) - len(pending) - len(landed) - len(unscraped)
     print(
-        f"== ok {len(results) - len(errors) - len(empty) - len(pending)}, errors {len(errors)}, "
-        f"empty {len(empty)}, not validated (source not scraped) {len(pending)} =="
+        f"== ok {ok}, errors {len(errors)}, empty {len(empty)}, "
+        f"pending (metric not emitted yet) {len(pending)}, "
+        f"pending but now with data {len(landed)}, not validated (source not scraped) {len(unscraped)} =="
     )
+    if pending:
+        print(f"== PENDING metrics still missing: {sorted(set().union(*(r.pending for r in pending)))} ==")
     for r in errors:
         print(f"ERROR {r.query}: {r.error}\n  {r.expr}")
     assert not errors, (
@@ -262,6 +309,10 @@ def test_every_dashboard_query_returns_data(prometheus: promlib.Prometheus, traf
     )
     assert not empty, (
         f"{len(empty)} dashboard expressions returned no series: {[str(r.query) for r in empty]}"
+    )
+    assert not landed, (
+        f"metrics in PENDING now return data, remove them from PENDING: "
+        f"{sorted(set().union(*(r.pending for r in landed)))}"
     )
     # the run must have validated something from every scraped source
     for src in scraped:

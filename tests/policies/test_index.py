@@ -95,7 +95,7 @@ def test_growth_and_memory_bound() -> None:
     """Measured (tracemalloc) bytes per tracked block with random uint64 hashes stay <= 256."""
     import tracemalloc
 
-    n = 131_072  # a power of two: arrays exactly full, the worst case is right after a doubling
+    n = 65_536  # a power of two: arrays exactly full, the worst case is right after a doubling
     hashes = np.random.default_rng(0).integers(0, 2**63, n, dtype=np.int64).tolist()
     hashes = [h + (1 << 63) if i % 2 else h for i, h in enumerate(hashes)]  # half above int64 range
     tracemalloc.start()

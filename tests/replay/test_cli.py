@@ -100,7 +100,7 @@ def test_per_request_sums_to_totals(tmp_path: Path) -> None:
         (["replay", "/nonexistent.jsonl", "--capacity", "0.1"], "cannot read trace"),
         (["replay", "bundled", "--capacity", "0.1", "--tiers", "nope"], "tier config"),
         (["compare", "bundled", "--capacities", "x"], "--capacities"),
-        (["replay", "bundled", "--capacity", "0.1", "--per-request", "/nonexistent/dir/x.jsonl"], "cannot write"),
+        (["replay", "bundled", "--capacity", "0.1", "--per-request", "/no/such/dir/x.jsonl"], "cannot write"),
         (["replay", "bundled", "--capacity", "0.1", "--format", "xml"], "--format"),
     ],
 )
