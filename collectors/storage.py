@@ -299,7 +299,7 @@ class StorageCollector(Collector[dict[str, object], StorageObservation]):
         counts = dict.fromkeys(NVME_STATES, 0)
         for c in obs.nvme:
             st = c.state if c.state in counts else "unknown"
-            counts[st] += max(1, len(c.paths))
+            counts[st] += 1  # one controller = one path of its subsystem
         for st, n in counts.items():
             self.g_nvme_paths.labels(state=st).set(n)
         for k, v in (obs.gds or {}).items():
