@@ -128,8 +128,15 @@ def main(argv: list[str]) -> None:
             f"{r['tick_p99_ms'] / 50:>9.2f} {r['bytes_per_block'] / 256:>6.2f} {r['loadavg_1m']:>5.1f}"
         )
     one_m = next(r for r in rows if r["blocks"] == 1_000_000)
-    ok = one_m["tick_p99_ms"] <= 50 and one_m["bytes_per_block"] <= 256
-    print(f"targets at 1M (p99 <= 50 ms, <= 256 B/block): {'MET' if ok else 'NOT MET'}")
+    wall = one_m["tick_p99_ms"] <= 50
+    cpu = one_m["tick_cpu_p99_ms"] <= 50
+    mem = one_m["bytes_per_block"] <= 256
+    print(
+        f"at 1M: tick p99 wall {one_m['tick_p99_ms']:.1f} ms ({'MET' if wall else 'NOT MET'}), "
+        f"tick p99 cpu {one_m['tick_cpu_p99_ms']:.1f} ms ({'MET' if cpu else 'NOT MET'}) vs 50 ms; "
+        f"{one_m['bytes_per_block']:.0f} B/block ({'MET' if mem else 'NOT MET'}) vs 256; "
+        f"load average {one_m['loadavg_1m']:.1f} on {os.cpu_count()} cores"
+    )
 
 
 if __name__ == "__main__":

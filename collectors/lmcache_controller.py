@@ -14,6 +14,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from .base import Clock, Collector, Observation
+from .httpget import get
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +76,8 @@ class LMCacheControllerCollector(Collector[ControllerRaw, LMCacheControllerSampl
         self.timeout_s = timeout_s
 
     async def fetch(self) -> ControllerRaw:
-        ks = await self.client.get(self.base_url + "/controller/key-stats", timeout=self.timeout_s)
-        ks.raise_for_status()
-        wk = await self.client.get(self.base_url + "/controller/workers", timeout=self.timeout_s)
-        wk.raise_for_status()
+        ks = await get(self.client, self.base_url + "/controller/key-stats", self.timeout_s)
+        wk = await get(self.client, self.base_url + "/controller/workers", self.timeout_s)
         return ControllerRaw(ks.json(), wk.json())
 
     def parse(self, raw: ControllerRaw, now: float) -> LMCacheControllerSample:

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from kvtier.policies.tiers import Tier
 
 from .base import Clock, Collector, Observation
+from .httpget import get
 from .promtext import ParsedText, parse_families
 
 PREFIX = "lmcache_mp_"
@@ -132,12 +133,10 @@ class LMCacheMPCollector(Collector[LMCacheMPRaw, LMCacheMPSample]):
         self.timeout_s = timeout_s
 
     async def fetch(self) -> LMCacheMPRaw:
-        r = await self.client.get(self.base_url + "/metrics", timeout=self.timeout_s)
-        r.raise_for_status()
+        r = await get(self.client, self.base_url + "/metrics", self.timeout_s)
         status: dict[str, Any] | None = None
         try:
-            s = await self.client.get(self.base_url + "/status", timeout=self.timeout_s)
-            s.raise_for_status()
+            s = await get(self.client, self.base_url + "/status", self.timeout_s)
             status = s.json()
         except Exception as exc:  # noqa: BLE001 - metrics alone are still useful
             self.count_error("status", exc)

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from kvtier.policies.tiers import normalize_tier
 
 from .base import Clock, Collector, Observation
+from .httpget import get
 from .promtext import ParsedText, parse_families
 
 # tier spelling (Mooncake) -> (allocated sample, capacity sample)
@@ -154,12 +155,10 @@ class MooncakeCollector(Collector[MooncakeRaw, MooncakeSample]):
         self.timeout_s = timeout_s
 
     async def fetch(self) -> MooncakeRaw:
-        r = await self.client.get(self.base_url + "/metrics", timeout=self.timeout_s)
-        r.raise_for_status()
+        r = await get(self.client, self.base_url + "/metrics", self.timeout_s)
         summary: str | None = None
         try:
-            s = await self.client.get(self.base_url + "/metrics/summary", timeout=self.timeout_s)
-            s.raise_for_status()
+            s = await get(self.client, self.base_url + "/metrics/summary", self.timeout_s)
             summary = s.text
         except Exception as exc:  # noqa: BLE001
             self.count_error("summary", exc)

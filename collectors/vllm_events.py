@@ -70,7 +70,7 @@ _generic = msgspec.msgpack.Decoder()
 _enc = msgspec.msgpack.Encoder()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DecodedBatch:
     """One decoded KV-event batch. ``ts`` in seconds (publisher's wall clock)."""
 

@@ -28,7 +28,14 @@ import numpy.typing as npt
 from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
-from kvtier.controller.actuators.base import ActuationResult, Actuator, BlockRef, Capability
+from kvtier.controller.actuators.base import (
+    ActuationResult,
+    Actuator,
+    BlockRef,
+    Capability,
+    KeyOutcome,
+    Outcome,
+)
 from kvtier.controller.decisions import Decision, DecisionLog, score
 from kvtier.controller.decisions import Outcome as DecisionOutcome
 from kvtier.controller.metrics import ControllerMetrics
@@ -51,6 +58,12 @@ ACTION_CAPABILITY: dict[str, Capability] = {
     "evict": Capability.EVICT,
 }
 _U64 = (1 << 64) - 1
+# tiers an adapter can target when it does not say so itself (``tiers`` attribute)
+LAYER_TIERS: dict[str, frozenset[Tier]] = {
+    "lmcache-mp": frozenset({Tier.CPU, Tier.DISK}),  # L1 (DRAM) and L2 (fs)
+    "lmcache-controller": frozenset({Tier.CPU, Tier.DISK}),
+    "mooncake": frozenset({Tier.CPU, Tier.DISK, Tier.REMOTE}),
+}
 
 
 _OUTCOME: dict[str, DecisionOutcome] = {"applied": "applied", "failed": "failed", "skipped": "skipped"}
@@ -334,11 +347,15 @@ class ReconcileLoop:
 
     # -- acting --------------------------------------------------------------------------------------------
     def _actuator_for(self, m: Move) -> Actuator | None:
+        """First configured actuator that advertises the action for the move's target tier. ``admit`` (a
+        block resident nowhere) needs an adapter that can re-create it (``recreates``: vllm-warmup)."""
         cap = ACTION_CAPABILITY[m.action]
         for a in self.actuators:
             if not a.supports(cap):
                 continue
-            tiers = getattr(a, "tiers", None)
+            if m.action == "admit" and not getattr(a, "recreates", False):
+                continue
+            tiers = getattr(a, "tiers", None) or LAYER_TIERS.get(a.name)
             target = m.dst if m.action != "evict" else m.src
             if tiers is not None and target not in tiers:
                 continue
@@ -399,9 +416,16 @@ class ReconcileLoop:
                 span.set_attribute("kvtier.blocks", len(items))
                 span.set_attribute("kvtier.decision_ids", [d.id for _, d, _ in items])
                 t0 = time.perf_counter()
-                res = self._call(act, action, src, dst, [ref for _, _, ref in items])
-                self.metrics.actuation_seconds.labels(layer=name).observe(time.perf_counter() - t0)
+                refs = [ref for _, _, ref in items]
+                res = self._call(act, action, src, dst, refs)
                 outcomes = res.by_key()
+                if not all(rf.layer_key in outcomes for rf in refs):
+                    # the layer reports its own keys (e.g. LMCache chunks): attribute them ref by ref
+                    outcomes = {}
+                    for rf in refs:
+                        one = res if len(refs) == 1 else self._call(act, action, src, dst, [rf])
+                        outcomes[rf.layer_key] = _aggregate(rf.layer_key, one)
+                self.metrics.actuation_seconds.labels(layer=name).observe(time.perf_counter() - t0)
                 counts: Counter[str] = Counter()
                 for m, d, ref in items:
                     o = outcomes.get(ref.layer_key)
@@ -443,8 +467,6 @@ class ReconcileLoop:
             self.errors[f"act:{type(exc).__name__}"] += 1
             self.metrics.fallbacks.labels(stage="act", fallback="no_action").inc()
             log.warning("actuator %s %s failed: %s", act.name, action, exc)
-            from kvtier.controller.actuators.base import KeyOutcome, Outcome
-
             return ActuationResult(
                 act.name,
                 action,
@@ -527,6 +549,16 @@ class ReconcileLoop:
             "predictor": self.predictor.info(),
             "planner": {"budgets": self.planner.budget_state()},
         }
+
+
+def _aggregate(key: str, res: ActuationResult) -> KeyOutcome:
+    """One outcome for a ref from the per-layer-key outcomes of a call about that ref alone."""
+    if not res.outcomes:
+        return KeyOutcome(key, Outcome.FAILED, "no outcome reported")
+    worst = (Outcome.FAILED if res.count(Outcome.FAILED) else
+             Outcome.APPLIED if res.count(Outcome.APPLIED) else Outcome.SKIPPED)  # fmt: skip
+    detail = "; ".join(f"{o.key}: {o.outcome.value} {o.detail}".strip() for o in res.outcomes[:4])
+    return KeyOutcome(key, worst, detail[:300])
 
 
 class _Phase:

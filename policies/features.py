@@ -73,8 +73,10 @@ def request_features(
     out[:, 5] = known_blocks
     out[:, 6] = n - known_blocks
     out[:, 7] = turn + 1
-    out[:, 8] = -1.0 if known_blocks == 0 or not np.isfinite(turn_last_ms) else np.log1p(
-        max(now_ms - turn_last_ms, 0.0) / 1000.0
+    out[:, 8] = (
+        -1.0
+        if known_blocks == 0 or not np.isfinite(turn_last_ms)
+        else np.log1p(max(now_ms - turn_last_ms, 0.0) / 1000.0)
     )
     out[:, 9] = np.log1p(freq)
     gap = np.where(first, -1.0, np.log1p(np.maximum(now_ms - last_ms, 0.0) / 1000.0))

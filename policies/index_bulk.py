@@ -165,8 +165,15 @@ def apply_ops(idx: BlockIndex, q: OpQueue) -> None:
     has_parent = np.array([p is not None for p in c_par], dtype=np.bool_)
     pslots = np.full(n, -1, dtype=np.int64)
     if has_parent.any():
-        pk = _keys([p for p in c_par if p is not None]).tolist()
-        pslots[has_parent] = [slot_get(k, -1) for k in pk]
+        hp = np.flatnonzero(has_parent)
+        pk = _keys([p for p in c_par if p is not None])
+        # a chained store's parent is usually the previous op's key: reuse its slot, look up the rest
+        prev = hp - 1
+        chained = (prev >= 0) & (keys[np.maximum(prev, 0)] == pk)
+        pslots[hp[chained]] = slots[prev[chained]]
+        rest = ~chained
+        if rest.any():
+            pslots[hp[rest]] = [slot_get(k, -1) for k in pk[rest].tolist()]
     # rounds: the k-th op on each key goes to round k (TOUCH_CHAIN ops only touch, order-free)
     order = np.argsort(keys, kind="stable")
     sk = keys[order]
@@ -177,10 +184,13 @@ def apply_ops(idx: BlockIndex, q: OpQueue) -> None:
     linked: list[I64] = []
     chain_s: list[I64] = []
     chain_t: list[npt.NDArray[np.float64]] = []
-    for rnd in range(int(occ.max()) + 1):
-        m = occ == rnd
+    is_store = op == STORE
+    is_rm = (op == REMOVE) & (slots >= 0)
+    n_rounds = int(occ.max()) + 1
+    for rnd in range(n_rounds):
+        m = occ == rnd if n_rounds > 1 else np.ones(n, dtype=np.bool_)
         # STORE: link (if unlinked), then set the tier bit
-        st = np.flatnonzero(m & (op == STORE))
+        st = np.flatnonzero(m & is_store)
         if st.size:
             s, p, r = slots[st], pslots[st], ranks[st]
             lk = (p >= 0) & (p != s) & (idx.parent[s] < 0)
@@ -203,7 +213,7 @@ def apply_ops(idx: BlockIndex, q: OpQueue) -> None:
                 ok = par >= 0
                 np.add.at(idx.res_children, (par[ok], fr[ok]), 1)
         # REMOVE: clear the tier bit
-        rm = np.flatnonzero(m & (op == REMOVE) & (slots >= 0))
+        rm = np.flatnonzero(m & is_rm)
         if rm.size:
             s, r = slots[rm], ranks[rm]
             bit = (np.uint8(1) << r.astype(np.uint8)).astype(np.uint8)

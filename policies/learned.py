@@ -17,7 +17,6 @@ used. Refit every ``retrain_every`` requests on a bounded seeded sample. Pure, n
 
 from __future__ import annotations
 
-import heapq
 from typing import Any
 
 import numpy as np
@@ -25,6 +24,7 @@ import numpy.typing as npt
 
 from kvtier.policies.base import HitMask, Policy, Request
 from kvtier.policies.features import FEATURE_NAMES, N_FEATURES, fallback_logit, request_features
+from kvtier.policies.keyed_planner import KeyedPlanner
 from kvtier.policies.predictor import BinnedLogit, auc, brier, reliability, sigmoid
 
 _I64 = np.int64
@@ -41,10 +41,14 @@ class LearnedPolicy(Policy):
         *,
         seed: int = 0,
         horizon_s: float = 300.0,
-        retrain_every: int = 1000,
-        max_train: int = 12000,
+        retrain_every: int = 1500,
+        max_train: int = 5000,
         min_class: int = 200,
         tau_mode: str = "gap",
+        expert_mults: tuple[float, ...] = (0.25, 1.0, 4.0, 32.0),
+        switch_every: int = 100,
+        shadow_rate: float = 0.25,
+        expert_decay: float = 0.998,
         event_buffer: int = 1 << 18,
     ) -> None:
         super().__init__(capacity_blocks, seed=seed)
@@ -53,26 +57,33 @@ class LearnedPolicy(Policy):
         self.max_train = max_train
         self.min_class = min_class
         self.tau_mode = tau_mode
+        self.switch_every = switch_every
+        self.expert_decay = expert_decay
         self.fallback_tau_s = 60.0
         self.tau_s = self.fallback_tau_s
         self._train_rng = np.random.default_rng(seed + 1)
-        self.model = BinnedLogit(seed=seed)
+        self.model = BinnedLogit(seed=seed, linear_cols=(FEATURE_NAMES.index("log_freq"),))
         # block state, indexed by dense slot
         self._slot: dict[int, int] = {}
         cap0 = 1024
         self._ids = np.zeros(cap0, dtype=_I64)
         self._parent = np.full(cap0, -1, dtype=_I64)
-        self._resident = np.zeros(cap0, dtype=bool)
-        self._res_children = np.zeros(cap0, dtype=np.int32)
         self._children = np.zeros(cap0, dtype=_I64)
         self._freq = np.zeros(cap0, dtype=_I64)
         self._last_ms = np.zeros(cap0, dtype=np.float64)
         self._turn = np.zeros(cap0, dtype=_I64)
         self._last_event = np.full(cap0, -1, dtype=_I64)
-        self._key = np.zeros(cap0, dtype=np.float64)
         self._n_slots = 0
-        self._n_resident = 0
-        self._heap: list[tuple[float, int]] = []
+        # the real cache follows the best recent of its shadows, which differ only in the recency scale
+        self._real = KeyedPlanner(capacity_blocks, 1.0, cap0)
+        # shadows are miniature simulations (Waldspurger et al., ATC'17): they see only the chains whose
+        # first block below the root hashes into a ``shadow_rate`` sample, with capacity scaled alike
+        self.shadow_rate = shadow_rate
+        self._shadow_cut = int(shadow_rate * (1 << 24))
+        shadow_cap = max(1, round(capacity_blocks * shadow_rate))
+        self._shadows = [KeyedPlanner(shadow_cap, m, cap0) for m in expert_mults]
+        self._switches = 0
+        self._views()
         self._evict_age = np.zeros(4096, dtype=np.float64)  # ages (ms) of recently evicted blocks
         self._n_evict_age = 0
         # ring of past accesses (features + outcome) for training and self-evaluation
@@ -105,19 +116,23 @@ class LearnedPolicy(Policy):
         for name, fill in (
             ("_ids", 0),
             ("_parent", -1),
-            ("_resident", False),
-            ("_res_children", 0),
             ("_children", 0),
             ("_freq", 0),
             ("_last_ms", 0.0),
             ("_turn", 0),
             ("_last_event", -1),
-            ("_key", 0.0),
         ):
             old = getattr(self, name)
             arr = np.full(new, fill, dtype=old.dtype)
             arr[:size] = old
             setattr(self, name, arr)
+        for pl in (self._real, *self._shadows):
+            pl.grow(new)
+        self._views()
+
+    def _views(self) -> None:
+        """Memoryviews over the per-block arrays: fast scalar access in the planner's Python loops."""
+        self._v_par = self._parent.data
 
     def _slots_for(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         get = self._slot.get
@@ -142,10 +157,10 @@ class LearnedPolicy(Policy):
     # ----------------------------------------------------------------- Policy API
     def contains(self, block: int) -> bool:
         s = self._slot.get(int(block))
-        return s is not None and bool(self._resident[s])
+        return s is not None and bool(self._real.resident[s])
 
     def __len__(self) -> int:
-        return self._n_resident
+        return self._real.n_resident
 
     def access(self, req: Request) -> HitMask:
         now = float(req.timestamp_ms)
@@ -180,76 +195,40 @@ class LearnedPolicy(Policy):
         z = self.model.predict_logit(x) if self.model.trained else zf
         self._record_events(slots, freq, x, z, zf, now)
         self._freq[slots] = freq + 1
-        self._last_ms[slots] = now
         new = freq == 0
         if new.any():
             self._turn[slots[new]] = turn + 1
-        keys = z + (now / 1000.0) / self.tau_s
-        self._key[slots] = keys
-        hit = self._resident[slots].copy()
-        self._serve(slots, hit, keys, now)
+        now_s = now / 1000.0
+        ev: list[int] = []
+        hit = self._real.serve(slots, z + now_s / (self.tau_s * self._real.mult), self._v_par, ev)
+        if ev:
+            es = np.asarray(ev, dtype=_I64)
+            self._evicted.extend(self._ids[es].tolist())
+            k = self._evict_age.shape[0]
+            self._evict_age[(self._n_evict_age + np.arange(es.size)) % k] = now - self._last_ms[es]
+            self._n_evict_age += es.size
+        self._last_ms[slots] = now
+        decay = self.expert_decay
+        chain = int(ids[1]) if n > 1 else int(ids[0])
+        sampled = (((chain * 0x9E3779B97F4A7C15 + self.seed) & 0xFFFFFFFFFFFFFFFF) >> 40) < self._shadow_cut
+        for sh in self._shadows if sampled else ():
+            h = sh.serve(slots, z + now_s / (self.tau_s * sh.mult), self._v_par, None)
+            lead = n if h.all() else int(np.argmin(h))
+            sh.score = sh.score * decay + (req.input_length if lead == n else lead * req.block_tokens)
+        if self._shadows and self._requests % self.switch_every == 0:
+            self._follow_leader()
         self._maybe_retrain(now)
         return hit
 
-    # ----------------------------------------------------------------- planner
-    def _serve(
-        self, slots: npt.NDArray[np.int64], hit: npt.NDArray[np.bool_], keys: npt.NDArray[np.float64], now: float
-    ) -> None:
-        heap = self._heap
-        res = self._resident
-        rc = self._res_children
-        sl = slots.tolist()
-        for i in np.flatnonzero(hit).tolist():  # a hit leaf's key changed: push its new entry
-            s = sl[i]
-            if rc[s] == 0:
-                heapq.heappush(heap, (float(keys[i]), s))
-        if self.capacity_blocks <= 0:
-            return
-        miss = np.flatnonzero(~hit)
-        if miss.size == 0:
-            return
-        parent = self._parent
-        for i in range(int(miss[0]), len(sl)):
-            s = sl[i]
-            p = int(parent[s])
-            if res[s] or (p >= 0 and not res[p]):
-                break  # keep the resident set prefix-closed
-            res[s] = True
-            self._n_resident += 1
-            if p >= 0:
-                rc[p] += 1
-            heapq.heappush(heap, (float(keys[i]), s))
-            if self._n_resident > self.capacity_blocks and self._evict_one(now) == s:
-                break  # bypass: the newcomer is the least likely to return; skip the rest
-        if len(heap) > 4 * self.capacity_blocks + 4096:
-            self._compact_heap()
-
-    def _evict_one(self, now: float) -> int:
-        heap = self._heap
-        res = self._resident
-        rc = self._res_children
-        key = self._key
-        while heap:
-            k, s = heapq.heappop(heap)
-            if res[s] and rc[s] == 0 and key[s] == k:
-                res[s] = False
-                self._n_resident -= 1
-                p = int(self._parent[s])
-                if p >= 0:
-                    rc[p] -= 1
-                    if rc[p] == 0 and res[p]:
-                        heapq.heappush(heap, (float(key[p]), p))
-                self._evicted.append(int(self._ids[s]))
-                self._evict_age[self._n_evict_age % self._evict_age.shape[0]] = now - self._last_ms[s]
-                self._n_evict_age += 1
-                return s
-        raise RuntimeError("over capacity with no evictable leaf")  # unreachable: some leaf always exists
-
-    def _compact_heap(self) -> None:
-        n = self._n_slots
-        leaves = np.flatnonzero(self._resident[:n] & (self._res_children[:n] == 0))
-        self._heap = list(zip(self._key[leaves].tolist(), leaves.tolist(), strict=True))
-        heapq.heapify(self._heap)
+    def _follow_leader(self) -> None:
+        """Switch the real cache's recency scale to the best recent shadow's (if clearly better)."""
+        best = max(self._shadows, key=lambda p: p.score)
+        cur = [p for p in self._shadows if p.mult == self._real.mult]
+        cur_score = cur[0].score if cur else 0.0
+        if best.mult != self._real.mult and best.score > 1.01 * cur_score:
+            self._real.mult = best.mult
+            self._switches += 1
+            self._rekey([self._real])
 
     # ----------------------------------------------------------------- learning
     def _record_events(
@@ -321,9 +300,9 @@ class LearnedPolicy(Policy):
         npos = int(y.sum())
         if npos < self.min_class or y.size - npos < self.min_class:
             return
-        self.model.fit(self._ev_x[pos[ok]].astype(np.float64), y, linear=(age[ok] / 100_000.0)[:, None])
+        self.model.fit(self._ev_x[pos[ok]].astype(np.float64), y, extra=(age[ok] / 100_000.0)[:, None])
         self._n_retrains += 1
-        beta = float(self.model.linear_coef[0]) / 100.0  # log-odds per second of age
+        beta = float(self.model.extra_coef[0]) / 100.0  # log-odds per second of age
         if self.tau_mode == "learned":
             self.tau_s = float(np.clip(-1.0 / beta, 1.0, 1e6)) if beta < 0 else 1e6
         elif self.tau_mode == "evict":
@@ -331,21 +310,24 @@ class LearnedPolicy(Policy):
         else:  # "gap": mean observed reuse gap within the horizon
             g = gap[(gap <= hz)]
             self.tau_s = float(np.clip(g.mean() / 1000.0, 1.0, hz / 1000.0)) if g.size else self.tau_s
-        self._rekey()
+        self._rekey([self._real, *self._shadows])
 
-    def _rekey(self) -> None:
-        """Recompute every resident block's key with the new model (its stored access features)."""
+    def _rekey(self, planners: list[KeyedPlanner]) -> None:
+        """Recompute resident blocks' keys with the current model and tau (from stored access features)."""
         n = self._n_slots
-        res = np.flatnonzero(self._resident[:n])
-        if res.size == 0:
-            return
-        ev = self._last_event[res]
-        live = ev > self._n_events - self._E
-        z = np.where(live, 0.0, -10.0)  # a block whose access fell out of the ring: treat as cold
-        if live.any():
-            z[live] = self.model.predict_logit(self._ev_x[ev[live] % self._E].astype(np.float64))
-        self._key[res] = z + (self._last_ms[res] / 1000.0) / self.tau_s
-        self._compact_heap()
+        mask = np.zeros(n, dtype=bool)
+        for pl in planners:
+            mask |= pl.resident[:n]
+        res = np.flatnonzero(mask)
+        z = np.full(n, -10.0)  # a block whose access fell out of the ring: treat as cold
+        if res.size:
+            ev = self._last_event[res]
+            live = ev > self._n_events - self._E
+            x = self._ev_x[ev[live] % self._E].astype(np.float64)
+            z[res[live]] = self.model.predict_logit(x) if self.model.trained else fallback_logit(x)
+        last_s = self._last_ms[:n] / 1000.0
+        for pl in planners:
+            pl.rekey(z, last_s, self.tau_s)
 
     def train_horizon_ms(self) -> float:
         """Training label horizon, ms: the cache's own time scale (mean age of recently evicted blocks),
@@ -401,6 +383,9 @@ class LearnedPolicy(Policy):
             "horizon_s": self.horizon_ms / 1000.0,
             "train_horizon_s": self.train_horizon_ms() / 1000.0,
             "tau_s": self.tau_s,
+            "recency_mult": self._real.mult,
+            "expert_switches": self._switches,
+            "expert_scores": {str(p.mult): p.score for p in self._shadows},
             "auc": auc(y, z),
             "auc_first_touch": auc(y[first], z[first]),
             "auc_retouched": auc(y[~first], z[~first]),
@@ -420,9 +405,9 @@ class LearnedPolicy(Policy):
         e = int(self._last_event[s])
         out: dict[str, Any] = {
             "known": True,
-            "resident": bool(self._resident[s]),
-            "leaf": bool(self._res_children[s] == 0),
-            "key": float(self._key[s]),
+            "resident": bool(self._real.resident[s]),
+            "leaf": bool(self._real.res_children[s] == 0),
+            "key": float(self._real.key[s]),
             "freq": int(self._freq[s]),
             "last_access_ms": float(self._last_ms[s]),
             "model_trained": self.model.trained,

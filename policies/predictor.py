@@ -17,16 +17,22 @@ from sklearn.linear_model import LogisticRegression
 
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
+_SPAN = 1e6  # feature values are clipped to [-_SPAN, _SPAN] before binning
 
 
 class BinnedLogit:
     """Per-feature quantile bins -> one-hot -> L2 logistic regression; predicts reuse log-odds.
 
-    Optional raw ``linear`` columns (e.g. age) enter the regression unbinned; their coefficients are
-    ``linear_coef`` and they are *not* part of :meth:`predict_logit` (the caller adds them).
+    Columns ``linear_cols`` of ``x`` also enter raw (unbinned), so the model extrapolates beyond the top
+    bin (e.g. log frequency). Optional ``extra`` columns passed to :meth:`fit` (e.g. age) enter raw too;
+    their coefficients are ``extra_coef`` and they are *not* part of :meth:`predict_logit`.
     """
 
-    def __init__(self, *, n_bins: int = 12, c: float = 1.0, seed: int = 0) -> None:
+    def __init__(
+        self, *, n_bins: int = 12, c: float = 1.0, seed: int = 0, linear_cols: tuple[int, ...] = ()
+    ) -> None:
+        self.linear_cols = list(linear_cols)
+        self.lin_w: FloatArray = np.zeros(len(linear_cols))
         self.n_bins = n_bins
         self.c = c
         self.seed = seed
@@ -34,18 +40,20 @@ class BinnedLogit:
         self.offsets: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
         self.weights: FloatArray = np.zeros(0)
         self.intercept = 0.0
-        self.linear_coef: FloatArray = np.zeros(0)
+        self.extra_coef: FloatArray = np.zeros(0)
+        self._shift: FloatArray = np.zeros(0)
+        self._fidx: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+        self._all_edges: FloatArray = np.zeros(0)
         self.trained = False
         self.n_train = 0
 
     def _bin(self, x: FloatArray) -> npt.NDArray[np.int64]:
-        idx = np.empty(x.shape, dtype=np.int64)
-        for f, e in enumerate(self.edges):
-            idx[:, f] = np.searchsorted(e, x[:, f], side="right")
-        return idx + self.offsets
+        """Global one-hot column per (row, feature): one searchsorted over feature-shifted edges."""
+        shifted = np.clip(x, -_SPAN, _SPAN) + self._shift
+        return np.searchsorted(self._all_edges, shifted.ravel(), side="right").reshape(x.shape) + self._fidx
 
-    def fit(self, x: FloatArray, y: BoolArray, linear: FloatArray | None = None) -> None:
-        """Fit on rows ``x`` (n, features) [+ raw ``linear`` (n, k)] with binary labels ``y``."""
+    def fit(self, x: FloatArray, y: BoolArray, extra: FloatArray | None = None) -> None:
+        """Fit on rows ``x`` (n, features) [+ raw ``extra`` (n, k)] with binary labels ``y``."""
         y = np.asarray(y, dtype=bool)
         if y.all() or not y.any():
             raise ValueError("need both positive and negative labels to train")
@@ -58,18 +66,31 @@ class BinnedLogit:
             else:
                 self.edges.append(np.unique(np.quantile(x[:, f], qs)))
         sizes = np.array([len(e) + 1 for e in self.edges], dtype=np.int64)
+        nfeat = len(self.edges)
+        self._shift = np.arange(nfeat, dtype=np.float64) * (4.0 * _SPAN)
+        self._fidx = np.arange(nfeat, dtype=np.int64)
+        self._all_edges = np.concatenate(
+            [np.clip(e, -_SPAN, _SPAN) + self._shift[f] for f, e in enumerate(self.edges)]
+        )
         self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         idx = self._bin(x)
         n, nf = idx.shape
         nb = int(sizes.sum())
-        onehot = sparse.csr_matrix((np.ones(n * nf), idx.ravel(), np.arange(0, n * nf + 1, nf)), shape=(n, nb))
-        if linear is not None:
-            onehot = sparse.hstack([onehot, sparse.csr_matrix(linear)], format="csr")
-        model = LogisticRegression(C=self.c, max_iter=200, tol=1e-3, random_state=self.seed)
+        onehot = sparse.csr_matrix(
+            (np.ones(n * nf), idx.ravel(), np.arange(0, n * nf + 1, nf)), shape=(n, nb)
+        )
+        raw = [x[:, self.linear_cols]] if self.linear_cols else []
+        if extra is not None:
+            raw.append(extra)
+        if raw:
+            onehot = sparse.hstack([onehot, sparse.csr_matrix(np.hstack(raw))], format="csr")
+        model = LogisticRegression(C=self.c, max_iter=60, tol=1e-3, random_state=self.seed)
         model.fit(onehot, y)
         coef = model.coef_[0].astype(np.float64)
         self.weights = coef[:nb]
-        self.linear_coef = coef[nb:]
+        nl = len(self.linear_cols)
+        self.lin_w = coef[nb : nb + nl]
+        self.extra_coef = coef[nb + nl :]
         self.intercept = float(model.intercept_[0])
         self.trained = True
         self.n_train = n
@@ -80,7 +101,10 @@ class BinnedLogit:
             raise RuntimeError("model not trained")
         if x.shape[0] == 0:
             return np.zeros(0)
-        return self.intercept + self.weights[self._bin(x)].sum(axis=1)
+        z = self.intercept + self.weights[self._bin(x)].sum(axis=1)
+        if self.linear_cols:
+            z += x[:, self.linear_cols] @ self.lin_w
+        return z
 
 
 def sigmoid(z: FloatArray) -> FloatArray:

@@ -21,6 +21,7 @@ command -v ip >/dev/null || need_apt+=(iproute2)
 command -v curl >/dev/null || need_apt+=(curl)
 # the compose client only (no engine): tests/e2e/test_compose.py runs `docker-compose config`
 command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 || need_apt+=(docker-compose)
+command -v unshare >/dev/null || need_apt+=(util-linux)  # private netns for the Mooncake / LMCache-controller tests
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "apt-get install ${need_apt[*]}"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo

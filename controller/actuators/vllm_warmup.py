@@ -74,6 +74,7 @@ class VllmWarmupActuator(Actuator):
 
     name = "vllm-warmup"
     tiers = frozenset({Tier.GPU})  # the only tier it can target
+    recreates = True  # can bring back a block resident nowhere (recompute): plans "admit" through it
 
     def __init__(
         self,

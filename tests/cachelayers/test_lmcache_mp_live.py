@@ -174,5 +174,32 @@ def test_quota_round_trip(rig: Rig) -> None:
     assert rig.act.get_quota("tenantA").get("exists") is False
 
 
+def test_sidecar_status_per_tier_hits_match_lmcache_and_vllm(rig: Rig) -> None:
+    """``kvtier serve --engine-url V --lmcache-url M``: /v1/status's cache-layer view equals LMCache's own
+    L1/L2 hit counters, and their sum equals vLLM's external prefix-cache hits (all hits so far came from
+    LMCache)."""
+    from kvtier.controller.settings import Settings
+    from tests.peers.sidecar import running, wait_for
+
+    own = {"cpu": scrape_sum(rig.server.url, "lmcache_mp_lookup_hit_l1_tokens_total"),
+           "disk": scrape_sum(rig.server.url, "lmcache_mp_lookup_hit_l2_tokens_total")}
+    ext = scrape_sum(rig.vllm.url, "vllm:external_prefix_cache_hits_total")
+    assert own["cpu"] > 0 and own["disk"] > 0 and own["cpu"] + own["disk"] == ext
+    settings = Settings(engine_urls=[rig.vllm.url], lmcache_urls=[rig.server.url], scrape_interval_s=0.5,
+                        storage_enabled=False)
+    with running(settings) as sc:
+        def layer() -> dict[str, Any] | None:
+            for c in sc.status().get("cache_layers") or []:
+                latest = c.get("latest")
+                if c.get("kind") == "lmcache_mp" and latest:
+                    return dict(latest)
+            return None
+
+        latest = wait_for(layer, 30, "lmcache_mp in /v1/status")
+    assert latest["hit_tokens_by_tier"] == own
+    FIGURES.append({"sidecar_v1_status_hit_tokens_by_tier": latest["hit_tokens_by_tier"],
+                    "vllm_external_hits": ext})
+
+
 def test_zz_print_figures() -> None:
     print("\nLMCACHE_MP_FIGURES " + json.dumps(FIGURES))

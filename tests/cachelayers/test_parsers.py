@@ -92,3 +92,26 @@ def test_controller_bodies() -> None:
     assert s.workers[0].port == 9601 and s.workers[0].heartbeat_age_s == 10.0
     with pytest.raises(ValueError):
         parse_controller({"detail": "err"}, None)
+
+
+def test_scrape_get_retries_once_on_a_stale_keepalive_connection() -> None:
+    """MockTransport: a peer closing an idle pooled connection is a race we cannot provoke on demand."""
+    import asyncio
+
+    import httpx
+
+    from kvtier.collectors.httpget import get
+
+    calls = {"n": 0}
+
+    def handler(r: httpx.Request) -> httpx.Response:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.Response(200, text="ok")
+
+    async def go() -> str:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
+            return (await get(c, "http://peer/metrics", 1.0)).text
+
+    assert asyncio.run(go()) == "ok" and calls["n"] == 2

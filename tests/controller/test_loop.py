@@ -307,3 +307,30 @@ def test_json_log_lines() -> None:
     )
     out = json.loads(JsonFormatter().format(rec))
     assert out["msg"] == "tick 3 failed" and out["level"] == "warning" and out["tick"] == 3
+
+
+def test_outcomes_keyed_by_layer_keys_are_attributed_per_ref_and_routing_respects_tiers() -> None:
+    """A layer that answers per chunk (like LMCache) still yields one outcome per decision; gpu-only moves are
+    not routed to a cpu/disk layer, and admits only to an adapter that can re-create blocks."""
+
+    class Chunky(Recorder):
+        name = "lmcache-mp"  # LAYER_TIERS: cpu, disk
+
+        def _do(self, action: str, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
+            self.calls.append((action, [b.layer_key for b in blocks], to.value))
+            out = [KeyOutcome(f"{b.layer_key}@chunk{i}", Outcome.APPLIED) for b in blocks for i in range(2)]
+            return ActuationResult(self.name, action, out)
+
+    loop, idx, _, reg, _, clock = make()
+    layer = Chunky()
+    loop.actuators = [layer]
+    fill_gpu(idx, clock)  # gpu over its watermark -> demote gpu->cpu: cpu is a tier of this layer
+    rep = loop.tick()
+    assert rep.outcomes["applied"] == 2 and len(layer.calls) == 3  # one batch call, then one per ref
+    assert all(d.outcome == "applied" and "chunk" in d.detail for d in loop.decisions.query())
+    loop2, idx2, _, _, _, clock2 = make()
+    loop2.actuators = [Chunky()]
+    idx2.store(31, None, Tier.CPU, t=clock2.t * 1000)
+    loop2.pins.add(Pin("g", Tier.GPU, [31, 32], clock2.t, token_ids=list(range(64)), block_size=32))
+    rep2 = loop2.tick()  # prefetch cpu->gpu and admit of 32: neither can go to a cpu/disk layer
+    assert rep2.outcomes["shadow"] == 2 and loop2.actuators[0].calls == []  # type: ignore[attr-defined]

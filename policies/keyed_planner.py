@@ -1,0 +1,119 @@
+"""Prefix-closed block cache driven by static keys: leaf-first heap eviction and bypass admission.
+
+A key is ``z + t / (tau * mult)`` (z: predicted reuse log-odds at access, t: access time in s): the
+current odds of return under an exponential age decay with time scale ``tau * mult``. Only resident
+leaves are evictable, so a block never loses its parent while resident; admission of a request's
+missing suffix stops at the first block that would itself be the next victim (bypass). Several
+planners with different ``mult`` can shadow one another over the same stream; they share the block
+table (parent, ids) of the owning policy and keep only their own residency, keys and heap.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+import numpy.typing as npt
+
+_I64 = np.int64
+
+
+class KeyedPlanner:
+    """Residency + eviction state of one prefix-closed cache of ``capacity`` blocks."""
+
+    def __init__(self, capacity: int, mult: float, size: int) -> None:
+        self.capacity = capacity
+        self.mult = mult
+        self.resident = np.zeros(size, dtype=bool)
+        self.res_children = np.zeros(size, dtype=np.int32)
+        self.key = np.zeros(size, dtype=np.float64)
+        self.heap: list[tuple[float, int]] = []
+        self.n_resident = 0
+        self.score = 0.0  # decayed prefix-hit tokens (expert weight)
+        self._views()
+
+    def _views(self) -> None:
+        self._v_res = self.resident.data
+        self._v_rc = self.res_children.data
+        self._v_key = self.key.data
+
+    def grow(self, new: int) -> None:
+        size = self.resident.shape[0]
+        for name in ("resident", "res_children", "key"):
+            old = getattr(self, name)
+            arr = np.zeros(new, dtype=old.dtype)
+            arr[:size] = old
+            setattr(self, name, arr)
+        self._views()
+
+    def serve(
+        self,
+        slots: npt.NDArray[np.int64],
+        keys: npt.NDArray[np.float64],
+        parent: memoryview,
+        on_evict: list[int] | None,
+    ) -> npt.NDArray[np.bool_]:
+        """Serve one request (``slots`` root first); return its hit mask; evicted slots go to ``on_evict``."""
+        hit = self.resident[slots]
+        self.key[slots] = keys
+        heap = self.heap
+        res = self._v_res
+        rc = self._v_rc
+        sl = slots.tolist()
+        kl = keys.tolist()
+        miss = np.flatnonzero(~hit)
+        n_hit = int(miss[0]) if miss.size else len(sl)
+        for i in range(n_hit):  # a hit leaf's key changed: push its new entry
+            s = sl[i]
+            if rc[s] == 0:
+                heapq.heappush(heap, (kl[i], s))
+        if self.capacity <= 0 or not miss.size:
+            return hit
+        for i in range(n_hit, len(sl)):
+            s = sl[i]
+            p = parent[s]
+            if res[s] or (p >= 0 and not res[p]):
+                break  # keep the resident set prefix-closed
+            res[s] = True
+            self.n_resident += 1
+            if p >= 0:
+                rc[p] += 1
+            heapq.heappush(heap, (kl[i], s))
+            if self.n_resident > self.capacity and self._evict_one(parent, on_evict) == s:
+                break  # bypass: the newcomer is the least likely to return; skip the rest
+        if len(heap) > 4 * self.capacity + 4096:
+            self.compact()
+        return hit
+
+    def _evict_one(self, parent: memoryview, on_evict: list[int] | None) -> int:
+        heap = self.heap
+        res = self._v_res
+        rc = self._v_rc
+        key = self._v_key
+        pop = heapq.heappop
+        while heap:
+            k, s = pop(heap)
+            if res[s] and rc[s] == 0 and key[s] == k:
+                res[s] = False
+                self.n_resident -= 1
+                p = parent[s]
+                if p >= 0:
+                    rc[p] -= 1
+                    if rc[p] == 0 and res[p]:
+                        heapq.heappush(heap, (key[p], p))
+                if on_evict is not None:
+                    on_evict.append(s)
+                return s
+        raise RuntimeError("over capacity with no evictable leaf")  # unreachable: some leaf always exists
+
+    def compact(self) -> None:
+        """Rebuild the heap from the current resident leaves (drops stale entries)."""
+        leaves = np.flatnonzero(self.resident & (self.res_children == 0))
+        self.heap = list(zip(self.key[leaves].tolist(), leaves.tolist(), strict=True))
+        heapq.heapify(self.heap)
+
+    def rekey(self, z: npt.NDArray[np.float64], last_s: npt.NDArray[np.float64], tau_s: float) -> None:
+        """New keys for all slots from log-odds ``z`` and last access times ``last_s`` (per slot)."""
+        n = z.shape[0]
+        self.key[:n] = z + last_s / (tau_s * self.mult)
+        self.compact()

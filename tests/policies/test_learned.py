@@ -1,0 +1,160 @@
+"""The ``learned`` policy: causality, determinism, fallback, prefix-closure, self-reported quality.
+
+Runs on a generated multi-turn trace (seeded, in memory) and on the real conversation trace (CLI).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.policies.base import Request
+from kvtier.policies.learned import LearnedPolicy
+from kvtier.policies.predictor import auc, brier, reliability
+from kvtier.policies.registry import CLASSIC, get_policy
+from kvtier.replay.engine import replay
+from kvtier.replay.runner import load_workload
+from kvtier.replay.synthetic import multiturn_trace
+
+FAST = {"retrain_every": 200, "horizon_s": 30.0, "min_class": 50}
+
+
+@pytest.fixture(scope="module")
+def trace() -> list[Request]:
+    return multiturn_trace(2500, seed=3, think_s=10.0, sessions_per_s=4.0)
+
+
+def _run(reqs: list[Request], cap: int, seed: int = 0) -> tuple[LearnedPolicy, list[bytes], list[list[int]]]:
+    pol = LearnedPolicy(cap, seed=seed, **FAST)  # type: ignore[arg-type]
+    hits, ev = [], []
+    for r in reqs:
+        hits.append(pol.access(r).tobytes())
+        ev.append(pol.drain_evicted())
+    return pol, hits, ev
+
+
+def test_registered_under_learned() -> None:
+    assert isinstance(get_policy("learned", 10, seed=0), LearnedPolicy)
+
+
+def test_prefix_run_decides_exactly_like_the_full_run(trace: list[Request]) -> None:
+    full_pol, full_hits, full_ev = _run(trace, 300)
+    assert full_pol.quality()["retrains"] >= 3  # the model was really trained and refit along the way
+    n = 1700
+    _, hits, ev = _run(trace[:n], 300)
+    assert hits == full_hits[:n]
+    assert ev == full_ev[:n]
+
+
+def test_deterministic_for_a_seed(trace: list[Request]) -> None:
+    a = _run(trace, 250, seed=7)
+    b = _run(trace, 250, seed=7)
+    assert a[1] == b[1] and a[2] == b[2]
+    assert a[0].quality() == b[0].quality()
+
+
+def test_fallback_until_trained_evicts_the_partial_tail_first() -> None:
+    pol = LearnedPolicy(4)
+    # two 2-block requests at t=0: the first fills its last block, the second ends in a partial block
+    pol.access(Request(0.0, 1024, 10, np.array([1, 2], dtype=np.int64)))
+    pol.access(Request(0.0, 700, 10, np.array([3, 4], dtype=np.int64)))
+    pol.drain_evicted()
+    pol.access(Request(1.0, 100, 10, np.array([5], dtype=np.int64)))
+    assert not pol.model.trained
+    assert pol.drain_evicted() == [4]  # LRU would have dropped block 1 (oldest), breaking chain 1-2
+    assert pol.contains(1) and pol.contains(2) and pol.contains(3) and pol.contains(5)
+    ex = pol.explain(4)
+    assert ex["known"] and not ex["resident"] and ex["features"]["partial_tail"] == 1.0
+
+
+def test_resident_set_stays_prefix_closed_and_within_capacity(trace: list[Request]) -> None:
+    cap = 120
+    pol = LearnedPolicy(cap, **FAST)  # type: ignore[arg-type]
+    parent: dict[int, int] = {}
+    resident: set[int] = set()
+    for r in trace:
+        ids = r.hash_ids.tolist()
+        for i in range(1, len(ids)):
+            parent[ids[i]] = ids[i - 1]
+        h = pol.access(r)
+        k = int(h.sum())
+        assert h[:k].all() and not h[k:].any()  # hits are a prefix of the request
+        resident |= {b for b in ids if pol.contains(b)}
+        resident -= set(pol.drain_evicted())
+        assert len(pol) == len(resident) <= cap
+        for b in resident:
+            assert b not in parent or parent[b] in resident
+
+
+def test_beats_every_classic_on_the_conversation_trace_at_2pct() -> None:
+    """Real trace, default settings: 2 % capacity is where admission matters most (best classic: S3-FIFO)."""
+    wl = load_workload("bundled")
+    cap = round(0.02 * wl.distinct_blocks)
+    classic = {n: replay(wl.requests, get_policy(n, cap, 0)).prefix_hit_ratio for n in CLASSIC}
+    pol = get_policy("learned", cap, 0)
+    learned = replay(wl.requests, pol).prefix_hit_ratio
+    assert learned > max(classic.values()) + 0.02, (learned, classic)
+    q = pol.quality()  # type: ignore[attr-defined]
+    assert q["trained"] and q["auc"] > 0.6
+
+
+def test_quality_reports_out_of_sample_auc_after_training(trace: list[Request]) -> None:
+    pol, _, _ = _run(trace, 300)
+    q = pol.quality()
+    assert q["trained"] and q["scored_accesses"] > 1000
+    assert q["auc"] > 0.6  # out-of-sample: partial tails never return here, sessions end at random
+    assert q["auc_first_touch"] is not None and q["auc_retouched"] is not None
+    assert 0.0 <= q["brier"] <= 0.25
+    assert sum(b["count"] for b in q["reliability"]) == q["scored_accesses"]
+    assert q["windows"] >= 1 and 0 <= q["windows_beat_fallback"] <= q["windows"]
+
+
+def test_quality_metrics_on_a_hand_made_case() -> None:
+    y = np.array([0, 0, 1, 1], dtype=bool)
+    assert auc(y, np.array([0.1, 0.4, 0.35, 0.8])) == pytest.approx(0.75)
+    assert auc(y, np.array([0.5, 0.5, 0.5, 0.5])) == pytest.approx(0.5)
+    assert auc(y, np.array([0.0, 0.1, 0.2, 0.3])) == pytest.approx(1.0)
+    assert auc(np.array([1, 1], dtype=bool), np.array([0.2, 0.3])) is None
+    assert brier(np.array([0, 1], dtype=bool), np.array([0.5, 1.0])) == pytest.approx(0.125)
+    bins = reliability(np.array([0, 1, 1, 0], dtype=bool), np.array([0.05, 0.95, 0.91, 0.5]), n_bins=10)
+    assert [(b["lo"], b["count"], b["observed"]) for b in bins] == [
+        (0.0, 1, 0.0),
+        (0.5, 1, 0.0),
+        (0.9, 2, 1.0),
+    ]
+
+
+def test_cli_max_requests_writes_the_first_lines_of_the_full_run(tmp_path: Path) -> None:
+    """Real conversation trace through the real CLI: a 3000-request run is a prefix of the full run."""
+    out = {}
+    for name, extra in (("full", []), ("head", ["--max-requests", "3000"])):
+        f = tmp_path / f"{name}.jsonl"
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvtier",
+                "replay",
+                "bundled",
+                "--policy",
+                "learned",
+                "--capacity-blocks",
+                "3656",
+                "--per-request",
+                str(f),
+                "--format",
+                "json",
+                *extra,
+            ],
+            check=True,
+            stdout=subprocess.PIPE,
+        )
+        out[name] = f.read_text().splitlines()
+    assert len(out["head"]) == 3000 and len(out["full"]) == 12031
+    assert out["head"] == out["full"][:3000]
+    assert sum(json.loads(x)["prefix_hit_tokens"] for x in out["head"]) > 0
