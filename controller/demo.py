@@ -111,7 +111,7 @@ class Demo:
             shadow_horizon_s=300.0,
             hysteresis_s=300.0,
             predictor=PredictorSettings(
-                kind="learned", retrain_interval_s=8.0, horizon_s=300.0, seed=opts.seed
+                kind="learned", retrain_interval_s=5.0, horizon_s=300.0, seed=opts.seed
             ),
         )
         loop.set_policy(doc)
@@ -143,7 +143,7 @@ class Demo:
                 self.served += 1
                 n += 1
             self.learned.publish()
-            if not self._snapshotted and self.served >= 300:  # the model's first T0: a populated index
+            if not self._snapshotted and self.served >= 150:  # the model's first T0: a populated index
                 self.sidecar.plane.ctx.models.snapshot()
                 self._snapshotted = True
         self.finished = self.served >= len(reqs)

@@ -184,7 +184,17 @@ def drive_traffic(stack: Stack, seed: int = 0) -> int:
             for _ in range(3):
                 complete([rng.randrange(10, 500) for _ in range(650)])
 
+        def counter(name: str) -> float:
+            """Sum of an LMCache MP counter on its own /metrics (0 before its first increment)."""
+            text = c.get(stack.lmcache.url + "/metrics").text
+            return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                       if ln.startswith(name) and not ln.startswith("#"))  # fmt: skip
+
         def delete_l1() -> None:
+            # L2 stores are asynchronous: deleting the L1 copy before P's chunks reached L2 would leave no
+            # copy to serve or prefetch from (and the L2-load panels without data)
+            wait_for(lambda: counter("lmcache_mp_l2_store_completed_objects_chunks_total") >= len(keys), 60,
+                     "LMCache L2 store of the shared prompt's chunks")  # fmt: skip
             r = c.request("DELETE", stack.lmcache.url + "/cache/objects", json={"keys": keys, "tier": "l1"})
             r.raise_for_status()
 
@@ -210,6 +220,8 @@ def drive_traffic(stack: Stack, seed: int = 0) -> int:
             60,
             "LMCache prefetch",
         )
+        wait_for(lambda: counter("lmcache_mp_l2_prefetch_load_completed_chunks_total") > 0, 60,
+                 "LMCache L2 -> L1 prefetch loads counted")  # fmt: skip
         flush()
         complete(shared)  # external hit, L1 after the prefetch
     return sent
