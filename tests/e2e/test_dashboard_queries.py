@@ -142,6 +142,8 @@ def kvtier_target(stack: Stack) -> Iterator[list[str]]:
         )
         # slow enough to outlast the run (the trace spans 59 min; at 5x, 12 min), bounded anyway
         with running_demo("--speed", "5", "--duration", "1500") as demo:
+            # the predictor panels should show a trained model's figures, not the zeros of the start
+            wait_for(lambda: demo.get("/v1/model").json().get("auc") is not None, 180, "demo model trained")
             yield [f"127.0.0.1:{port}", demo.target]
     finally:
         stop(proc)
