@@ -352,6 +352,8 @@ class ReconcileLoop:
         try:
             self._fault("policy")
             reqs = pl.observe()
+            if pl.served == 0:
+                return  # nothing feeds the policy (yet): no opinion, the tier plans on the index alone
             lookup = view.lookup or self.index.slot_of
             n = len(view)
             want = pl.desired_mask(view.hashes, lookup)

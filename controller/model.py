@@ -208,9 +208,9 @@ class ModelManager:
         return True
 
     def policy_quality(self) -> dict[str, Any] | None:
-        """The placement policy's own out-of-sample quality (``learned``), or None."""
+        """The placement policy's own out-of-sample quality (``learned``, once fed requests), or None."""
         pl = self.loop.placement
-        return pl.quality() if pl is not None else None
+        return pl.quality() if pl is not None and pl.served > 0 else None
 
     def info(self) -> dict[str, Any]:
         out = self._index_info()
@@ -219,7 +219,7 @@ class ModelManager:
         if pl is None:
             return out
         out["policy"] = pl.info()
-        if q is None:
+        if q is None or pl.served == 0:  # no learned policy, or nothing feeds it: the index model is live
             return out
         # the policy's predictor is the live one; the index model is its fallback
         out["fallback_model"] = {k: out[k] for k in ("predictor", "version", "trained", "training_samples",
