@@ -140,6 +140,8 @@ class Demo:
                 self.now_s = r.timestamp_ms / 1e3
                 self.learned.serve(r)
                 self.lru.serve(r)
+                if (pl := self.sidecar.plane.loop.placement) is not None:
+                    pl.requests.submit(r)  # the loop's own policy object sees the same request stream
                 self.served += 1
                 n += 1
             self.learned.publish()
