@@ -152,7 +152,7 @@ class Stack:
 
     def metric(self, name: str, **labels: str) -> float:
         total = 0.0
-        for line in self.get("/metrics/").text.splitlines():
+        for line in self.get("/metrics", follow_redirects=True).text.splitlines():
             if line.startswith("#") or not line.startswith(name):
                 continue
             head, _, value = line.rpartition(" ")
@@ -210,6 +210,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 P = text(301, 80)  # pinned
 Q = text(302, 80)  # unpinned, stored at the same time
+P_HASHES: list[str] = []  # P's block hashes (from the pin)
 
 
 def chunk_tokens(stack: Stack, prompt: str) -> int:
@@ -225,6 +226,7 @@ def test_pin_to_cpu_keeps_the_prefix_in_l1_under_pressure(stack: Stack) -> None:
     assert r.status_code == 201, r.text
     pin = r.json()
     hashes = set(pin["block_hashes"])
+    P_HASHES[:] = sorted(hashes)
 
     def pinned() -> list[dict[str, Any]]:
         ds = stack.decisions(action="pin")
@@ -283,8 +285,15 @@ def test_loops_own_moves_change_where_the_next_hit_comes_from(stack: Stack) -> N
         before = stack.metric("kvtier_actuations_total", layer="lmcache-mp", action=action, outcome="applied")
         if action == "promote":
             # a block vLLM holds in GPU is not promoted into cpu: empty vLLM's cache, wait for the index
+            # (vLLM publishes the AllBlocksCleared event with its next engine step: a 2-token request)
             stack.reset_gpu()
-            until(lambda: stack.status()["blocks_tracked"]["gpu"] == 0, "AllBlocksCleared in the index")
+            stack.complete("hello")
+
+            def in_gpu() -> bool:
+                tiers = [stack.get(f"/v1/blocks/{h}").json().get("tiers") or [] for h in P_HASHES]
+                return any("gpu" in t for t in tiers)
+
+            until(lambda: not in_gpu(), "AllBlocksCleared in the index")
         r = stack.patch_policy({"tiers": tiers(cpu_capacity)})
         assert r.status_code == 200, r.text
         got = until(lambda: [d for d in _moves(stack, action, since) if d["outcome"] == "applied"],
