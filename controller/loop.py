@@ -358,7 +358,7 @@ class ReconcileLoop:
         if self.assume_admittable:
             return np.ones(len(view), np.bool_)
         adm = np.zeros(len(view), np.bool_)
-        if len(self.tokens) == 0:
+        if len(self.tokens) == 0 or not self._admits_possible():
             return adm
         cand = np.flatnonzero((view.tier_mask == 0) & (p >= self.policy.reuse_threshold))
         if cand.size > 4096:
@@ -367,6 +367,14 @@ class ReconcileLoop:
             if int(view.hashes[r]) in self.tokens:
                 adm[r] = True
         return adm
+
+    def _admits_possible(self) -> bool:
+        """Active mode plans admissions only when an actuator can re-create blocks (vllm-warmup) or records
+        everything (shadow); otherwise those infeasible moves would crowd feasible ones out of the budget
+        (an admit's gain is the whole prefill, a disk -> cpu promote's only the load-time difference)."""
+        if self.policy.mode != "active":
+            return True
+        return any(getattr(a, "recreates", False) or a.name == "shadow" for a in self.actuators)
 
     # -- acting --------------------------------------------------------------------------------------------
     def _actuator_for(self, m: Move) -> Actuator | None:

@@ -421,3 +421,41 @@ def test_lmcache_mp_breaker_and_retries_are_configurable() -> None:
     assert act.model_name == "/models/tiny"  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="retries"):
         registry.build("lmcache-mp", url="http://127.0.0.1:9", retries=0)
+
+
+def test_active_mode_without_a_recreating_actuator_spends_the_budget_on_feasible_moves() -> None:
+    """Admissions (gain = the whole prefill) would crowd a disk -> cpu promote (gain = load-time difference)
+    out of the ops budget although no configured actuator can admit; in active mode they are not planned."""
+    from kvtier.controller.policy_doc import BudgetLimits
+
+    class Layer(Recorder):
+        name = "lmcache-mp"
+
+        def capabilities(self) -> frozenset[Capability]:
+            return frozenset({Capability.PROMOTE})
+
+        def promote(self, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
+            return self._do("promote", blocks, to)
+
+    loop, idx, _, _, _, clock = make()
+    layer = Layer()
+    loop.actuators = [layer]
+    loop.set_policy(loop.policy.model_copy(update={
+        "tiers": [TierConfig(tier=Tier.CPU, capacity_blocks=100, load_bandwidth_bytes_s=2e10),
+                  TierConfig(tier=Tier.DISK, capacity_blocks=100, load_bandwidth_bytes_s=1e9)],
+        "default_budget": BudgetLimits(ops_per_s=2.0, burst_s=1.0)}))  # fmt: skip
+    t = clock.t * 1000
+    idx.store(51, None, Tier.DISK, t=t)
+    gone = list(range(61, 71))
+    for h in gone:  # evicted from the GPU, tokens known: admittable by a warm-up, not by this layer
+        idx.store(h, None, Tier.GPU, t=t)
+        idx.remove(h, Tier.GPU)
+    loop.tokens.add_chain(gone, list(range(32 * len(gone))), 32)
+    rep = loop.tick()
+    assert [(c[0], c[1]) for c in layer.calls] == [("promote", [f"{51:016x}"])], layer.calls
+    assert rep.outcomes["applied"] == 1 and not [d for d in loop.decisions.query() if d.action == "admit"]
+    loop2, idx2, _, _, _, _ = make(mode="shadow")
+    idx2.store(61, None, Tier.GPU, t=t)
+    idx2.remove(61, Tier.GPU)
+    loop2.tokens.add_chain([61], list(range(32)), 32)
+    assert loop2._admits_possible() and loop2.tick().decisions >= 1  # shadow mode still scores admits
