@@ -41,12 +41,13 @@ class LearnedPolicy(Policy):
         *,
         seed: int = 0,
         horizon_s: float = 300.0,
-        retrain_every: int = 1500,
-        max_train: int = 5000,
+        retrain_every: int = 1000,
+        max_train: int = 8000,
         min_class: int = 200,
         tau_mode: str = "gap",
         expert_mults: tuple[float, ...] = (0.25, 1.0, 4.0, 32.0),
         switch_every: int = 100,
+        switch_margin: float = 1.01,
         shadow_rate: float = 0.25,
         expert_decay: float = 0.998,
         event_buffer: int = 1 << 18,
@@ -58,6 +59,7 @@ class LearnedPolicy(Policy):
         self.min_class = min_class
         self.tau_mode = tau_mode
         self.switch_every = switch_every
+        self.switch_margin = switch_margin
         self.expert_decay = expert_decay
         self.fallback_tau_s = 60.0
         self.tau_s = self.fallback_tau_s
@@ -225,7 +227,7 @@ class LearnedPolicy(Policy):
         best = max(self._shadows, key=lambda p: p.score)
         cur = [p for p in self._shadows if p.mult == self._real.mult]
         cur_score = cur[0].score if cur else 0.0
-        if best.mult != self._real.mult and best.score > 1.01 * cur_score:
+        if best.mult != self._real.mult and best.score > self.switch_margin * cur_score:
             self._real.mult = best.mult
             self._switches += 1
             self._rekey([self._real])

@@ -34,6 +34,9 @@ class BinnedLogit:
         self.linear_cols = list(linear_cols)
         self.lin_w: FloatArray = np.zeros(len(linear_cols))
         self.n_bins = n_bins
+        self.rebin_every = 5  # recompute bin edges on every 5th fit; warm-start the others
+        self._fits = 0
+        self._lr: LogisticRegression | None = None
         self.c = c
         self.seed = seed
         self.edges: list[FloatArray] = []
@@ -57,6 +60,35 @@ class BinnedLogit:
         y = np.asarray(y, dtype=bool)
         if y.all() or not y.any():
             raise ValueError("need both positive and negative labels to train")
+        if self._lr is None or self._fits % self.rebin_every == 0:
+            self._set_edges(x)
+            self._lr = LogisticRegression(
+                C=self.c, max_iter=100, tol=1e-3, random_state=self.seed, warm_start=True
+            )
+        self._fits += 1
+        idx = self._bin(x)
+        n, nf = idx.shape
+        nb = int(self.offsets[-1] + len(self.edges[-1]) + 1)
+        onehot = sparse.csr_matrix(
+            (np.ones(n * nf), idx.ravel(), np.arange(0, n * nf + 1, nf)), shape=(n, nb)
+        )
+        raw = [x[:, self.linear_cols]] if self.linear_cols else []
+        if extra is not None:
+            raw.append(extra)
+        if raw:
+            onehot = sparse.hstack([onehot, sparse.csr_matrix(np.hstack(raw))], format="csr")
+        model = self._lr
+        model.fit(onehot, y)
+        coef = model.coef_[0].astype(np.float64)
+        self.weights = coef[:nb]
+        nl = len(self.linear_cols)
+        self.lin_w = coef[nb : nb + nl]
+        self.extra_coef = coef[nb + nl :]
+        self.intercept = float(model.intercept_[0])
+        self.trained = True
+        self.n_train = n
+
+    def _set_edges(self, x: FloatArray) -> None:
         qs = np.linspace(0.0, 1.0, self.n_bins + 1)[1:-1]
         self.edges = []
         for f in range(x.shape[1]):
@@ -73,27 +105,6 @@ class BinnedLogit:
             [np.clip(e, -_SPAN, _SPAN) + self._shift[f] for f, e in enumerate(self.edges)]
         )
         self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        idx = self._bin(x)
-        n, nf = idx.shape
-        nb = int(sizes.sum())
-        onehot = sparse.csr_matrix(
-            (np.ones(n * nf), idx.ravel(), np.arange(0, n * nf + 1, nf)), shape=(n, nb)
-        )
-        raw = [x[:, self.linear_cols]] if self.linear_cols else []
-        if extra is not None:
-            raw.append(extra)
-        if raw:
-            onehot = sparse.hstack([onehot, sparse.csr_matrix(np.hstack(raw))], format="csr")
-        model = LogisticRegression(C=self.c, max_iter=60, tol=1e-3, random_state=self.seed)
-        model.fit(onehot, y)
-        coef = model.coef_[0].astype(np.float64)
-        self.weights = coef[:nb]
-        nl = len(self.linear_cols)
-        self.lin_w = coef[nb : nb + nl]
-        self.extra_coef = coef[nb + nl :]
-        self.intercept = float(model.intercept_[0])
-        self.trained = True
-        self.n_train = n
 
     def predict_logit(self, x: FloatArray) -> FloatArray:
         """Reuse log-odds per row (requires a fitted model)."""
