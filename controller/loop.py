@@ -506,6 +506,12 @@ class ReconcileLoop:
                     if d.outcome == "applied":
                         self.metrics.moves_applied.labels(action=action).inc()
                         self._learn_residency(act, m)
+                    elif d.outcome == "skipped" and action in ("demote", "evict") and "not present" in (
+                        d.detail or ""
+                    ):
+                        # the layer had no copy there any more (another ref of the chain freed the shared
+                        # chunk, or the layer evicted it): the desired state holds, do not plan it again
+                        self._learn_residency(act, m)
                     if action == "pin" and d.outcome in ("applied", "skipped"):
                         # skipped = nothing for the layer to hold (e.g. shorter than one LMCache chunk)
                         self.pinned_at_layer.add(m.block)

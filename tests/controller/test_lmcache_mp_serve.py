@@ -296,8 +296,14 @@ def test_loops_own_moves_change_where_the_next_hit_comes_from(stack: Stack) -> N
             until(lambda: not in_gpu(), "AllBlocksCleared in the index")
         r = stack.patch_policy({"tiers": tiers(cpu_capacity)})
         assert r.status_code == 200, r.text
-        got = until(lambda: [d for d in _moves(stack, action, since) if d["outcome"] == "applied"],
-                    f"a loop-decided {action}")  # fmt: skip
+        try:
+            got = until(lambda: [d for d in _moves(stack, action, since) if d["outcome"] == "applied"],
+                        f"a loop-decided {action}")  # fmt: skip
+        except AssertionError as exc:
+            recent = [{k: d[k] for k in ("id", "action", "src", "tier", "outcome", "layer", "detail")}
+                      for d in stack.decisions()[:15]]  # fmt: skip
+            ctl = stack.status()["controller"]
+            raise AssertionError(f"{exc}; last decisions: {recent}; controller: {ctl}") from exc
         t = stack.status()["controller"]["tick"]
         until(lambda: stack.status()["controller"]["tick"] >= t + 2, "the move's tick to finish")
         mine = _moves(stack, action, since)
