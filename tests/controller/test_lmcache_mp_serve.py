@@ -335,8 +335,12 @@ def test_loops_own_moves_change_where_the_next_hit_comes_from(stack: Stack) -> N
 
 
 def test_status_per_tier_view_matches_lmcache_and_vllm(stack: Stack) -> None:
+    r_prompt = text(303, 40)
+    stack.complete(r_prompt)
+    stack.complete(r_prompt)  # vLLM's own GPU prefix cache serves the second one
     own = stack.counters()
-    assert own["l1"] > 0 and own["l2"] > 0 and own["l1"] + own["l2"] == own["ext"], own
+    assert own["gpu"] > 0 and own["l1"] > 0 and own["l2"] > 0, own
+    assert own["l1"] + own["l2"] == own["ext"], own  # every external hit came from LMCache's L1 or L2
 
     def view() -> dict[str, Any] | None:
         st = stack.status()
