@@ -340,7 +340,9 @@ def test_status_per_tier_view_matches_lmcache_and_vllm(stack: Stack) -> None:
     stack.complete(r_prompt)  # vLLM's own GPU prefix cache serves the second one
     own = stack.counters()
     assert own["gpu"] > 0 and own["l1"] > 0 and own["l2"] > 0, own
-    assert own["l1"] + own["l2"] == own["ext"], own  # every external hit came from LMCache's L1 or L2
+    # every external hit came from LMCache's L1 or L2; LMCache's lookup also counts the prefix vLLM's GPU
+    # already held (the connector looks up the whole prompt), so the excess is bounded by the GPU hits
+    assert own["ext"] <= own["l1"] + own["l2"] <= own["ext"] + own["gpu"], own
 
     def view() -> dict[str, Any] | None:
         st = stack.status()
