@@ -243,7 +243,7 @@ def test_pin_to_cpu_keeps_the_prefix_in_l1_under_pressure(stack: Stack) -> None:
     # pressure: distinct prompts until LMCache's L1 evicted more than its whole capacity
     ev0 = scrape_sum(stack.mp.url, "lmcache_mp_l1_evicted_chunks_total")
     sent = 0
-    while scrape_sum(stack.mp.url, "lmcache_mp_l1_evicted_chunks_total") - ev0 < 100 and sent < 25:
+    while scrape_sum(stack.mp.url, "lmcache_mp_l1_evicted_chunks_total") - ev0 < 100 and sent < 40:
         stack.filler += 1
         stack.complete(text(stack.filler, 150))
         sent += 1
