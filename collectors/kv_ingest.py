@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from itertools import repeat
 
 from kvtier.collectors.vllm_events import (
     AllBlocksCleared,
@@ -38,6 +37,18 @@ from kvtier.policies.tiers import TIER_ORDER, Tier
 
 EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 _RANK = {t: i for i, t in enumerate(TIER_ORDER)}  # index accepts int ranks without name lookups
+_NONE = object()  # no run of removals yet (a medium can be None)
+_MEDIA: dict[str | None, tuple[Tier, int]] = {}  # event medium -> (tier, rank), memoised
+
+
+def _tier_rank(medium: str | None) -> tuple[Tier, int]:
+    x = _MEDIA.get(medium)
+    if x is None:
+        tier = tier_of(medium)
+        x = (tier, _RANK[tier])
+        if len(_MEDIA) < 1024:
+            _MEDIA[medium] = x
+    return x
 
 
 @dataclass(slots=True)
@@ -61,7 +72,9 @@ class KvIngestor:
         self.flush_every = flush_every
         self._q = OpQueue()
         self._held: dict[str, dict[Tier, set[int]]] = {}  # source -> tier -> u64 hashes
-        self._rc: dict[Tier, dict[int, int]] = {t: {} for t in TIER_ORDER}
+        # reference counts per (tier, hash): held by >= 1 source (set) + holders beyond the first (dict)
+        self._res: dict[Tier, set[int]] = {t: set() for t in TIER_ORDER}
+        self._extra: dict[Tier, dict[int, int]] = {t: {} for t in TIER_ORDER}
         self.counts: dict[str, SourceCounts] = defaultdict(SourceCounts)  # engine label -> counters
 
     # ---- queries ----------------------------------------------------------------------------------------
@@ -76,7 +89,7 @@ class KvIngestor:
 
     def blocks_tracked(self) -> dict[str, int]:
         """Blocks believed resident per tier (lowercase tier names), from the reference counts."""
-        return {t.value: len(self._rc[t]) for t in TIER_ORDER}
+        return {t.value: len(self._res[t]) for t in TIER_ORDER}
 
     def held(self, source: str, tier: Tier = Tier.GPU) -> int:
         return len(self._held.get(source, {}).get(tier, ()))
@@ -101,75 +114,38 @@ class KvIngestor:
     ) -> None:
         held = self._src(source or engine)
         c = self.counts[engine]
-        q = self._q
-        qa = q.ops.append
-        ctx: dict[str | None, tuple[Tier, int, set[int], dict[int, int]]] = {}
         n_stored = n_removed = n_cleared = 0
+        run: list[int] = []  # hashes of consecutive BlockRemoved events of one medium, applied together
+        run_medium: object = _NONE
         for e in events:
-            if type(e) is BlockRemoved:
+            te = type(e)
+            if te is BlockRemoved:
                 n_removed += 1
-                x = ctx.get(e.medium)
-                if x is None:
-                    tier = tier_of(e.medium)
-                    x = ctx[e.medium] = (tier, _RANK[tier], held[tier], self._rc[tier])
-                tier, rank, mine, rc = x
-                for k in e.block_hashes:
-                    if k in mine:
-                        mine.discard(k)
-                        c.blocks_removed += 1
-                        n = rc.get(k, 0)
-                        if n <= 1:
-                            rc.pop(k, None)
-                            qa((REMOVE, k, None, rank, t_ms))
-                        else:
-                            rc[k] = n - 1
-                    else:
-                        c.removed_unknown += 1
-            elif type(e) is BlockStored:
+                m = e.medium
+                if m != run_medium:
+                    if run:
+                        self._remove(held, c, run, run_medium, t_ms)  # type: ignore[arg-type]
+                        run = []
+                    run_medium = m
+                run += e.block_hashes  # type: ignore[union-attr]
+                continue
+            if run:
+                self._remove(held, c, run, run_medium, t_ms)  # type: ignore[arg-type]
+                run = []
+                run_medium = _NONE
+            if te is BlockStored:
                 n_stored += 1
-                x = ctx.get(e.medium)
-                if x is None:
-                    tier = tier_of(e.medium)
-                    x = ctx[e.medium] = (tier, _RANK[tier], held[tier], self._rc[tier])
-                tier, rank, mine, rc = x
-                hs = e.block_hashes
-                nh = len(hs)
-                pkey = e.parent_block_hash
-                if pkey is not None:  # the request used the whole parent chain
-                    qa((TOUCH_CHAIN, pkey, None, rank, t_ms))
-                    c.accesses_inferred += 1
-                if mine.isdisjoint(hs) and rc.keys().isdisjoint(hs) and len(set(hs)) == nh:
-                    # common case: all new blocks, held by no other source -> bulk append
-                    mine.update(hs)
-                    for k in hs:
-                        rc[k] = 1
-                    c.blocks_stored += nh
-                    parents = [pkey, *hs[:-1]]
-                    rt = repeat(rank, nh)
-                    stores = zip(repeat(STORE, nh), hs, parents, rt, repeat(t_ms, nh), strict=False)
-                    q.ops.extend(stores)
-                    continue
-                for k in hs:
-                    if k in mine:  # re-announcement = a hit report
-                        c.blocks_reannounced += 1
-                        c.accesses_inferred += 1
-                        qa((TOUCH, k, None, rank, t_ms))
-                    else:
-                        mine.add(k)
-                        n = rc.get(k, 0)
-                        rc[k] = n + 1
-                        c.blocks_stored += 1
-                        # STORE, or an access if another source holds it already
-                        qa((STORE, k, pkey, rank, t_ms) if n == 0 else (TOUCH, k, None, rank, t_ms))
-                    pkey = k
-            elif type(e) is AllBlocksCleared:
+                self._store(held, c, e, t_ms)  # type: ignore[arg-type]
+            elif te is AllBlocksCleared:
                 n_cleared += 1
                 c.blocks_cleared += self._clear(held, tier_of(e.medium))
+        if run:
+            self._remove(held, c, run, run_medium, t_ms)  # type: ignore[arg-type]
         ev = c.events
         ev["BlockStored"] += n_stored
         ev["BlockRemoved"] += n_removed
         ev["AllBlocksCleared"] += n_cleared
-        if len(q) >= self.flush_every:
+        if len(self._q) >= self.flush_every:
             self.flush()
 
     def clear_source(self, engine: str, source: str | None = None) -> int:
@@ -180,19 +156,88 @@ class KvIngestor:
         return n
 
     # ---- internals --------------------------------------------------------------------------------------
-    def _unref(self, rc: dict[int, int], k: int, tier: Tier) -> None:
-        n = rc.get(k, 0)
+    def _store(self, held: dict[Tier, set[int]], c: SourceCounts, e: BlockStored, t_ms: float) -> None:
+        tier, rank = _MEDIA.get(e.medium) or _tier_rank(e.medium)
+        mine, res = held[tier], self._res[tier]
+        q = self._q
+        hs = e.block_hashes
+        pkey = e.parent_block_hash
+        if pkey is not None:  # the request used the whole parent chain
+            q.add(TOUCH_CHAIN, pkey, None, rank, t_ms)
+            c.accesses_inferred += 1
+        new = set(hs)
+        if len(new) == len(hs) and res.isdisjoint(new):
+            # common case: all new blocks, held by no source (mine is a subset of res) -> one chain
+            mine |= new
+            res |= new
+            c.blocks_stored += len(hs)
+            q.store_chain(hs, pkey, rank, t_ms)
+            return
+        extra = self._extra[tier]
+        for k in hs:
+            if k in mine:  # re-announcement = a hit report
+                c.blocks_reannounced += 1
+                c.accesses_inferred += 1
+                q.add(TOUCH, k, None, rank, t_ms)
+            else:
+                mine.add(k)
+                c.blocks_stored += 1
+                if k in res:  # another source holds it already: an access
+                    extra[k] = extra.get(k, 0) + 1
+                    q.add(TOUCH, k, None, rank, t_ms)
+                else:
+                    res.add(k)
+                    q.add(STORE, k, pkey, rank, t_ms)
+            pkey = k
+
+    def _remove(
+        self, held: dict[Tier, set[int]], c: SourceCounts, hs: list[int], medium: str | None, t_ms: float
+    ) -> None:
+        tier, rank = _MEDIA.get(medium) or _tier_rank(medium)
+        mine, res, extra = held[tier], self._res[tier], self._extra[tier]
+        if len(hs) > 1:
+            gone = set(hs)
+            if len(gone) == len(hs) and gone <= mine and (not extra or extra.keys().isdisjoint(gone)):
+                # common case: distinct blocks this source held, no other source holds them -> bulk
+                mine -= gone
+                res -= gone
+                c.blocks_removed += len(hs)
+                self._q.add_many(REMOVE, hs, rank, t_ms)
+                return
+        for k in hs:
+            if k in mine:
+                mine.discard(k)
+                c.blocks_removed += 1
+                if self._unref(res, extra, k):
+                    self._q.add(REMOVE, k, None, rank, t_ms)
+            else:
+                c.removed_unknown += 1
+
+    @staticmethod
+    def _unref(res: set[int], extra: dict[int, int], k: int) -> bool:
+        """One holder of ``k`` fewer; True if nobody holds it any more."""
+        n = extra.get(k)
+        if n is None:
+            res.discard(k)
+            return True
         if n <= 1:
-            rc.pop(k, None)
-            self._q.ops.append((REMOVE, k, None, _RANK[tier], 0.0))
+            del extra[k]
         else:
-            rc[k] = n - 1
+            extra[k] = n - 1
+        return False
 
     def _clear(self, held: dict[Tier, set[int]], tier: Tier) -> int:
         mine = held[tier]
         n = len(mine)
-        rc = self._rc[tier]
-        for k in mine:
-            self._unref(rc, k, tier)
+        if not n:
+            return 0
+        res, extra, rank = self._res[tier], self._extra[tier], _RANK[tier]
+        if not extra or extra.keys().isdisjoint(mine):
+            res -= mine
+            self._q.add_many(REMOVE, list(mine), rank, 0.0)
+        else:
+            for k in mine:
+                if self._unref(res, extra, k):
+                    self._q.add(REMOVE, k, None, rank, 0.0)
         mine.clear()
         return n

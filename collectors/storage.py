@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvtier.collectors.base import Clock, Collector, Observation
 
+NVME_STATES = ("live", "connecting", "resetting", "deleting", "dead", "unknown")
 SECTOR = 512  # /proc/diskstats sectors are always 512 bytes
 
 
@@ -222,6 +223,11 @@ class StorageCollector(Collector[dict[str, object], StorageObservation]):
                             registry=registry)  # fmt: skip
         self.g_nvme = Gauge("kvtier_storage_nvme_controller_live", "1 if the NVMe controller state is live.",
                             ["controller", "transport"], registry=registry)  # fmt: skip
+        # contract name (dashboards/METRICS.md): controller paths per state, every state created at 0
+        self.g_nvme_paths = Gauge("kvtier_storage_nvme_paths", "NVMe / NVMe-oF controller paths by state.",
+                                  ["state"], registry=registry)  # fmt: skip
+        for st in NVME_STATES:
+            self.g_nvme_paths.labels(state=st).set(0)
         self.g_gds = Gauge("kvtier_storage_gds_stat", "nvidia-fs (GPUDirect Storage) counter.", ["stat"],
                            registry=registry)  # fmt: skip
 
@@ -290,6 +296,12 @@ class StorageCollector(Collector[dict[str, object], StorageObservation]):
                 self.g_path.labels(tier=p.tier, path=p.path, kind=kind).set(v)
         for c in obs.nvme:
             self.g_nvme.labels(controller=c.name, transport=c.transport).set(1 if c.state == "live" else 0)
+        counts = dict.fromkeys(NVME_STATES, 0)
+        for c in obs.nvme:
+            st = c.state if c.state in counts else "unknown"
+            counts[st] += 1  # one controller = one path of its subsystem
+        for st, n in counts.items():
+            self.g_nvme_paths.labels(state=st).set(n)
         for k, v in (obs.gds or {}).items():
             self.g_gds.labels(stat=k).set(v)
 

@@ -11,6 +11,7 @@ vLLM does with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``). ``medium`` is normali
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ import msgspec
 from kvtier.policies.tiers import Tier, normalize_tier
 
 _MASK64 = (1 << 64) - 1
+_SEQ = struct.Struct(">Q")
 
 
 class DecodeError(ValueError):
@@ -110,7 +112,8 @@ def parse_seq(frame: bytes) -> int:
     """The 8-byte big-endian sequence frame as an int (-1 = replay end marker)."""
     if len(frame) != 8:
         raise DecodeError(f"sequence frame has {len(frame)} bytes, expected 8")
-    return int.from_bytes(frame, "big", signed=frame == b"\xff" * 8)
+    seq: int = _SEQ.unpack(frame)[0]
+    return -1 if seq == _MASK64 else seq
 
 
 def _hashes(v: Any) -> list[int]:
@@ -217,15 +220,16 @@ def decode_payload(payload: bytes) -> tuple[float, list[Event], int | None, int]
         return _slow(payload)
     evs = b.events
     skipped = 0
-    for i, e in enumerate(evs):
-        if isinstance(e, list):  # older positional-array event
-            try:
-                evs[i] = _from_array(e)
-            except DecodeError:
-                evs[i] = None  # type: ignore[call-overload]
-                skipped += 1
-    if skipped:
-        evs = [e for e in evs if e is not None]
+    if list in map(type, evs):  # older positional-array events (C-level scan; rare with vLLM >= 0.32)
+        for i, e in enumerate(evs):
+            if isinstance(e, list):
+                try:
+                    evs[i] = _from_array(e)
+                except DecodeError:
+                    evs[i] = None  # type: ignore[call-overload]
+                    skipped += 1
+        if skipped:
+            evs = [e for e in evs if e is not None]
     return b.ts, evs, b.data_parallel_rank, skipped  # type: ignore[return-value]
 
 
@@ -236,4 +240,4 @@ def decode_frames(frames: list[bytes]) -> DecodedBatch:
     topic, seq_b, payload = frames
     seq = parse_seq(seq_b)
     ts, events, dp, skipped = decode_payload(payload)
-    return DecodedBatch(topic=bytes(topic), seq=seq, ts=ts, events=events, dp_rank=dp, skipped=skipped)
+    return DecodedBatch(topic if type(topic) is bytes else bytes(topic), seq, ts, events, dp, skipped)

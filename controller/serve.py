@@ -41,7 +41,11 @@ def serve(
     except (PeerNotAvailable, ValueError, OSError) as exc:
         typer.echo(f"kvtier serve: {exc}", err=True)
         raise typer.Exit(2) from exc
-    uvicorn.run(create_controlled_app(sidecar), host=host, port=port, log_level=settings.log_level.lower())
+    from kvtier.controller.status_page import install_status_page
+
+    app = create_controlled_app(sidecar)
+    install_status_page(app, sidecar.registry)  # the status page at /
+    uvicorn.run(app, host=host, port=port, log_level=settings.log_level.lower())
 
 
 def register(app: typer.Typer) -> None:

@@ -22,6 +22,9 @@ def _register() -> None:
     from kvtier.controller import cli as _control_cli
 
     _control_cli.register(app)  # shadow-replay
+    from kvtier.controller import demo as _demo
+
+    _demo.register(app)  # demo
 
 
 def main() -> None:

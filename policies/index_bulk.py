@@ -15,7 +15,7 @@ unsigned. Falls back to the one-by-one path when ``max_blocks`` would force recl
 
 from __future__ import annotations
 
-from operator import itemgetter
+from itertools import repeat
 
 import numpy as np
 import numpy.typing as npt
@@ -23,6 +23,7 @@ import numpy.typing as npt
 from kvtier.policies.index import BlockIndex, to_key
 
 STORE, REMOVE, TOUCH, TOUCH_CHAIN = 0, 1, 2, 3
+_STORE_P, _STORE_C = 4, 5  # internal: STORE with a parent key in OpQueue.pkey / with the previous op's key
 _EWMA_ALPHA = 0.3  # same as policies/index.py
 _MAX_DEPTH = 4096
 
@@ -30,17 +31,100 @@ I64 = npt.NDArray[np.int64]
 
 
 class OpQueue:
-    """Queued operations: ``(op, key, parent_or_None, tier_rank, t_ms)`` tuples (one append each)."""
+    """Queued index operations, in order.
 
-    __slots__ = ("ops",)
+    Two ways in: ``ops`` holds ``(op, key, parent_or_None, tier_rank, t_ms)`` tuples (simple, one append
+    each); the column methods (:meth:`add`, :meth:`add_many`, :meth:`store_chain`) are the fast path used by
+    the KV-event ingestor (a whole chain or run of removals per call, no tuple per block). :func:`apply_ops`
+    applies the columns first, then the tuples -- use one interface per queue.
+    """
+
+    __slots__ = ("ops", "key", "segs", "pkey")
 
     def __init__(self) -> None:
         self.ops: list[tuple[int, int, int | None, int, float]] = []
+        self.key: list[int] = []  # 64-bit keys, signed or unsigned, one per operation
+        # runs of operations with one code and time: (index of the run's first op, op | rank << 3, t ms);
+        # op is STORE .. TOUCH_CHAIN, _STORE_P (parent in pkey) or _STORE_C (parent = the previous op's key)
+        self.segs: list[tuple[int, int, float]] = []
+        self.pkey: list[int] = []  # parent keys of the _STORE_P ops, in order
 
     def __len__(self) -> int:
-        return len(self.ops)
+        return len(self.key) + len(self.ops)
 
     def clear(self) -> None:
+        self.ops.clear()
+        self.key.clear()
+        self.segs.clear()
+        self.pkey.clear()
+
+    def add(self, op: int, key: int, parent: int | None, rank: int, t: float) -> None:
+        """One operation (``parent`` only for STORE)."""
+        if op == STORE and parent is not None:
+            op = _STORE_P
+            self.pkey.append(parent)
+        self.segs.append((len(self.key), op | rank << 3, t))
+        self.key.append(key)
+
+    def add_many(self, op: int, keys: list[int], rank: int, t: float) -> None:
+        """One REMOVE / TOUCH / TOUCH_CHAIN (or parentless STORE) for each of ``keys``, in order."""
+        self.segs.append((len(self.key), op | rank << 3, t))
+        self.key += keys
+
+    def store_chain(self, keys: list[int], parent: int | None, rank: int, t: float) -> None:
+        """STORE ``keys`` in order, each the child of the previous one (``keys[0]`` that of ``parent``)."""
+        if not keys:
+            return
+        c = rank << 3
+        i = len(self.key)
+        if parent is None:
+            self.segs.append((i, STORE | c, t))
+        else:
+            self.segs.append((i, _STORE_P | c, t))
+            self.pkey.append(parent)
+        if len(keys) > 1:
+            self.segs.append((i + 1, _STORE_C | c, t))
+        self.key += keys
+
+    def columns(self) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.float64]]:
+        """Per-operation code (op | rank << 3) and time (ms) arrays of the column ops."""
+        n = len(self.key)
+        if not self.segs:
+            return np.empty(0, dtype=np.int8), np.empty(0, dtype=np.float64)
+        start, code, t = zip(*self.segs, strict=True)
+        st = np.array(start, dtype=np.int64)
+        ln = np.diff(st, append=n)
+        keep = ln > 0  # an empty run (add_many of no keys) must not shift the others
+        if not keep.all():
+            st, ln = st[keep], ln[keep]
+            code = tuple(np.array(code)[keep].tolist())
+            t = tuple(np.array(t)[keep].tolist())
+        return (
+            np.repeat(np.array(code, dtype=np.int8), ln),
+            np.repeat(np.array(t, dtype=np.float64), ln),
+        )
+
+    def tuples(self) -> list[tuple[int, int, int | None, int, float]]:
+        """Every queued operation as ``(op, key, parent_or_None, tier_rank, t_ms)``, in apply order."""
+        out: list[tuple[int, int, int | None, int, float]] = []
+        pk = iter(self.pkey)
+        prev: int | None = None
+        codes, ts = self.columns()
+        for c, k, t in zip(codes.tolist(), self.key, ts.tolist(), strict=True):
+            op, r = c & 7, c >> 3
+            if op == _STORE_P:
+                out.append((STORE, k, next(pk), r, t))
+            elif op == _STORE_C:
+                out.append((STORE, k, prev, r, t))
+            else:
+                out.append((op, k, None, r, t))
+            prev = k
+        return out + self.ops
+
+    def _spill_tuples(self) -> None:
+        """Move the tuple ops into the columns (after the column ops)."""
+        for op, k, p, r, t in self.ops:
+            self.add(op, k, p, r, t)
         self.ops.clear()
 
 
@@ -85,40 +169,88 @@ def _touch(idx: BlockIndex, slots: I64, t: npt.NDArray[np.float64]) -> None:
         slots, t = slots[rest], t[rest]
 
 
-def _allocate(idx: BlockIndex, new_keys: list[int], t_first: list[float]) -> bool:
-    """Give each (distinct, untracked) int64 key a slot; False if ``max_blocks`` would need reclaiming."""
-    n_new = len(new_keys)
-    if not n_new:
-        return True
-    from_free = min(n_new, len(idx._free))
-    fresh = n_new - from_free
+def _count_add(a: npt.NDArray[np.int32], i: I64, delta: int) -> None:
+    """``a[i] += delta`` with repeated indices accumulating (as ``np.add.at``, faster)."""
+    if i.size == 0:
+        return
+    if i.size <= 32:
+        np.add.at(a, i, delta)
+        return
+    lo, hi = int(i.min()), int(i.max())
+    if hi - lo <= 8 * i.size + 4096:  # compact range (new slots are mostly contiguous): count directly
+        cnt = np.bincount(i - lo, minlength=hi - lo + 1)
+        a[lo : hi + 1] += (cnt * delta).astype(a.dtype)
+        return
+    u, c = np.unique(i, return_counts=True)
+    a[u] += (c * delta).astype(a.dtype)
+
+
+def _lookup(idx: BlockIndex, keys: I64) -> I64:
+    """Slots of int64 ``keys`` (-1 = untracked)."""
+    return np.fromiter(map(idx._slot.get, keys.tolist(), repeat(-1)), dtype=np.int64, count=keys.size)
+
+
+def _allocate(
+    idx: BlockIndex, keys: I64, t_first: npt.NDArray[np.float64]
+) -> tuple[I64, npt.NDArray[np.bool_]] | None:
+    """Slots of the distinct int64 ``keys``; untracked ones get a new slot, first seen (and accessed) at
+    ``t_first`` (ms). Returns (slots, which ones are new), or None if ``max_blocks`` would need reclaiming.
+
+    One dict operation per key (``setdefault`` with a candidate slot); unused candidates go back to the free
+    list."""
+    m = keys.size
+    from_free = min(m, len(idx._free))
+    fresh = m - from_free
     if idx.max_blocks is not None and idx._n + fresh > idx.max_blocks:
-        return False
+        got = _lookup(idx, keys)  # tight: give slots only to the untracked keys
+        miss = np.flatnonzero(got < 0)
+        if miss.size == m:
+            n_free = len(idx._free)
+            if idx._n + max(0, m - n_free) > idx.max_blocks:
+                return None
+        elif miss.size:
+            sub = _allocate(idx, keys[miss], t_first[miss])
+            if sub is None:
+                return None
+            got[miss] = sub[0]
+        new = np.zeros(m, dtype=np.bool_)
+        if miss.size != m:
+            new[miss] = True
+            return got, new
     while idx._n + fresh > idx.capacity:
         idx._grow()
-    slots = [idx._free.pop() for _ in range(from_free)] + list(range(idx._n, idx._n + fresh))
+    free = idx._free
+    cand_l = free[len(free) - from_free :]
+    del free[len(free) - from_free :]
+    cand = np.empty(m, dtype=np.int64)
+    cand[:from_free] = cand_l
+    cand[from_free:] = np.arange(idx._n, idx._n + fresh)
     idx._n += fresh
-    idx._slot.update(zip(new_keys, slots, strict=True))
-    s = np.array(slots, dtype=np.int64)
-    idx.hash[s] = np.array(new_keys, dtype=np.int64)
-    idx.parent[s] = -1
-    idx.depth[s] = 0
-    idx.tiers[s] = 0
-    idx.freq[s] = 1  # a store of an unseen block is its first access
-    tf = np.array(t_first, dtype=np.float64)
-    idx.first_seen[s] = tf
-    idx.last_access[s] = tf
-    idx.last_gap[s] = np.nan
-    idx.gap_ewma[s] = np.nan
-    idx.nbytes[s] = 0
-    idx.n_children[s] = 0
-    idx.res_children[s] = 0
-    idx.used[s] = True
-    return True
+    got = np.fromiter(map(idx._slot.setdefault, keys.tolist(), cand.tolist()), dtype=np.int64, count=m)
+    is_new = got == cand
+    if not is_new.all():
+        free.extend(cand[~is_new].tolist())
+    s = got[is_new]
+    if s.size:
+        idx.hash[s] = keys[is_new]
+        idx.parent[s] = -1
+        idx.depth[s] = 0
+        idx.tiers[s] = 0
+        idx.freq[s] = 1  # a store of an unseen block is its first access
+        tf = t_first[is_new]
+        idx.first_seen[s] = tf
+        idx.last_access[s] = tf
+        idx.last_gap[s] = np.nan
+        idx.gap_ewma[s] = np.nan
+        idx.nbytes[s] = 0
+        idx.n_children[s] = 0
+        idx.res_children[s] = 0
+        idx.used[s] = True
+    return got, is_new
 
 
 def _slow(idx: BlockIndex, q: OpQueue) -> None:
-    for op, k, p, r, t in q.ops:
+    for op, k, p, r, t in q.tuples():
         if op == STORE:
             idx.store(k, p, r, 0, t)
         elif op == REMOVE:
@@ -134,59 +266,73 @@ def _slow(idx: BlockIndex, q: OpQueue) -> None:
                 steps += 1
 
 
+def _first_flags(x: I64) -> npt.NDArray[np.bool_]:
+    """True where a sorted array starts a new value."""
+    f = np.empty(x.size, dtype=np.bool_)
+    if x.size:
+        f[0] = True
+        np.not_equal(x[1:], x[:-1], out=f[1:])
+    return f
+
+
 def apply_ops(idx: BlockIndex, q: OpQueue) -> None:
     """Apply and clear the queued operations."""
-    n = len(q)
+    if q.ops:
+        q._spill_tuples()
+    n = len(q.key)
     if not n:
         return
-    ops = q.ops
-    c_op, c_key, c_par, c_rank, c_t = (list(map(itemgetter(i), ops)) for i in range(5))
-    op = np.array(c_op, dtype=np.int8)
-    keys = _keys(c_key)
-    ranks = np.array(c_rank, dtype=np.int64)
-    ts = np.array(c_t, dtype=np.float64)
-    # slots of tracked keys; untracked keys of STORE ops get new slots (time of their first store)
-    slot = idx._slot
-    slot_get = slot.get
-    kl = keys.tolist()
-    slots = np.array([slot_get(k, -1) for k in kl], dtype=np.int64)
-    first_store: dict[int, int] = {}  # new key -> index of its first STORE
-    miss = np.flatnonzero((slots < 0) & (op == STORE))
-    if miss.size:
-        mi = miss.tolist()
-        first_store = dict(zip(reversed(keys[miss].tolist()), reversed(mi), strict=True))  # first wins
-        new_keys = list(first_store)
-        if not _allocate(idx, new_keys, ts[list(first_store.values())].tolist()):
+    codes, ts = q.columns()
+    op = codes & 7
+    ranks = (codes >> 3).astype(np.int64)
+    keys = _keys(q.key)
+    # distinct keys (sort based); each op's key group and occurrence number on its key (= its round)
+    order = np.argsort(keys, kind="stable")
+    sk = keys[order]
+    flag = _first_flags(sk)
+    gs = np.cumsum(flag) - 1  # group of each sorted position
+    uk = sk[flag]
+    starts = np.flatnonzero(flag)
+    inv = np.empty(n, dtype=np.int64)
+    inv[order] = gs
+    occ = np.empty(n, dtype=np.int64)
+    occ[order] = np.arange(n) - starts[gs]
+    is_store = (op == STORE) | (op >= _STORE_P)
+    # the first STORE on each key (sorted order is stable: earliest op first within a group)
+    sp = np.flatnonzero(is_store[order])
+    g = gs[sp]
+    fm = _first_flags(g)
+    st_g, st_i = g[fm], order[sp[fm]]
+    uslot = np.full(uk.size, -1, dtype=np.int64)
+    lone = np.ones(uk.size, dtype=np.bool_)
+    lone[st_g] = False
+    ns = np.flatnonzero(lone)  # keys only removed / touched here: look up, never allocate
+    if ns.size:
+        uslot[ns] = _lookup(idx, uk[ns])
+    first_new = np.full(uk.size, -1, dtype=np.int64)  # op index of the first STORE of a newly tracked key
+    if st_g.size:
+        got = _allocate(idx, uk[st_g], ts[st_i])
+        if got is None:
             _slow(idx, q)
             q.clear()
             return
-        neg = np.flatnonzero(slots < 0)  # incl. REMOVE/TOUCH of keys first stored in this window
-        slots[neg] = [slot_get(k, -1) for k in keys[neg].tolist()]
-    has_parent = np.array([p is not None for p in c_par], dtype=np.bool_)
+        uslot[st_g] = got[0]
+        first_new[st_g[got[1]]] = st_i[got[1]]
+    slots = uslot[inv]
     pslots = np.full(n, -1, dtype=np.int64)
-    if has_parent.any():
-        hp = np.flatnonzero(has_parent)
-        pk = _keys([p for p in c_par if p is not None])
-        # a chained store's parent is usually the previous op's key: reuse its slot, look up the rest
-        prev = hp - 1
-        chained = (prev >= 0) & (keys[np.maximum(prev, 0)] == pk)
-        pslots[hp[chained]] = slots[prev[chained]]
-        rest = ~chained
-        if rest.any():
-            pslots[hp[rest]] = [slot_get(k, -1) for k in pk[rest].tolist()]
-    # rounds: the k-th op on each key goes to round k (TOUCH_CHAIN ops only touch, order-free)
-    order = np.argsort(keys, kind="stable")
-    sk = keys[order]
-    starts = np.r_[0, np.flatnonzero(sk[1:] != sk[:-1]) + 1]
-    occ_sorted = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
-    occ = np.empty(n, dtype=np.int64)
-    occ[order] = occ_sorted
+    sc = np.flatnonzero(op == _STORE_C)  # chained store: parent = the previous op's key (stored -> slot)
+    if sc.size:
+        pslots[sc] = slots[sc - 1]
+    spp = np.flatnonzero(op == _STORE_P)
+    if spp.size:
+        pslots[spp] = _lookup(idx, _keys(q.pkey))
     linked: list[I64] = []
     chain_s: list[I64] = []
     chain_t: list[npt.NDArray[np.float64]] = []
-    is_store = op == STORE
     is_rm = (op == REMOVE) & (slots >= 0)
     n_rounds = int(occ.max()) + 1
+    rc_flat = idx.res_children.reshape(-1)  # a view: (slot, rank) -> slot * n_tiers + rank
+    n_tiers = idx.res_children.shape[1]
     for rnd in range(n_rounds):
         m = occ == rnd if n_rounds > 1 else np.ones(n, dtype=np.bool_)
         # STORE: link (if unlinked), then set the tier bit
@@ -197,21 +343,22 @@ def apply_ops(idx: BlockIndex, q: OpQueue) -> None:
             if lk.any():
                 ls, lp = s[lk], p[lk]
                 idx.parent[ls] = lp
-                np.add.at(idx.n_children, lp, 1)
+                _count_add(idx.n_children, lp, 1)
                 bits = idx.tiers[ls]
-                for tr in range(idx.res_children.shape[1]):
-                    has = ((bits >> tr) & 1).astype(bool)
-                    if has.any():
-                        np.add.at(idx.res_children[:, tr], lp[has], 1)
+                if bits.any():
+                    for tr in range(n_tiers):
+                        has = ((bits >> tr) & 1).astype(bool)
+                        if has.any():
+                            _count_add(rc_flat, lp[has] * n_tiers + tr, 1)
                 linked.append(ls)
             bit = (np.uint8(1) << r.astype(np.uint8)).astype(np.uint8)
             fresh = (idx.tiers[s] & bit) == 0
             if fresh.any():
                 fs, fr = s[fresh], r[fresh]
                 idx.tiers[fs] |= bit[fresh]
-                par = idx.parent[fs]
+                par = idx.parent[fs].astype(np.int64)
                 ok = par >= 0
-                np.add.at(idx.res_children, (par[ok], fr[ok]), 1)
+                _count_add(rc_flat, par[ok] * n_tiers + fr[ok], 1)
         # REMOVE: clear the tier bit
         rm = np.flatnonzero(m & is_rm)
         if rm.size:
@@ -221,22 +368,20 @@ def apply_ops(idx: BlockIndex, q: OpQueue) -> None:
             if was.any():
                 ws, wr = s[was], r[was]
                 idx.tiers[ws] &= ~bit[was]
-                par = idx.parent[ws]
+                par = idx.parent[ws].astype(np.int64)
                 ok = par >= 0
-                np.subtract.at(idx.res_children, (par[ok], wr[ok]), 1)
+                _count_add(rc_flat, par[ok] * n_tiers + wr[ok], -1)
     # accesses last, all sorted by time (they change statistics only, never residency or links); an access
     # to a key before its first store in this window is a no-op, as in the one-by-one path
-    is_t = (op == TOUCH) | (op == TOUCH_CHAIN)
-    if first_store and is_t.any():
-        ti = np.flatnonzero(is_t)
-        fget = first_store.get
-        fs = np.array([fget(kl[i], -1) for i in ti.tolist()], dtype=np.int64)
-        is_t[ti[(fs >= 0) & (fs > ti)]] = False
-    tc = np.flatnonzero(is_t & (op == TOUCH) & (slots >= 0))
+    is_t = ((op == TOUCH) | (op == TOUCH_CHAIN)) & (slots >= 0)
+    ti = np.flatnonzero(is_t)
+    if ti.size:
+        is_t[ti[first_new[inv[ti]] > ti]] = False
+    tc = np.flatnonzero(is_t & (op == TOUCH))
     if tc.size:
         chain_s.append(slots[tc])
         chain_t.append(ts[tc])
-    ch = np.flatnonzero(is_t & (op == TOUCH_CHAIN) & (slots >= 0))
+    ch = np.flatnonzero(is_t & (op == TOUCH_CHAIN))
     if ch.size:
         cur, ct = slots[ch], ts[ch]
         for _ in range(_MAX_DEPTH):
@@ -254,13 +399,29 @@ def apply_ops(idx: BlockIndex, q: OpQueue) -> None:
     # depth of newly linked blocks = parent depth + 1; chains linked in the same window are resolved by
     # pointer jumping (log2(chain length) vector steps): depth[w] = add[w] + depth[ptr[w]], ptr outside W
     if linked:
-        ls = _unique_first(np.concatenate(linked))[0]
-        pos = np.full(idx.capacity, -1, dtype=np.int64)
-        pos[ls] = np.arange(ls.size)
+        ls = np.concatenate(linked)  # distinct: a slot is linked at most once
         ptr = idx.parent[ls].astype(np.int64)
         add = np.ones(ls.size, dtype=np.int64)
+        lo, hi = int(ls.min()), int(ls.max())
+        if hi - lo < 8 * ls.size + 1024:  # new slots are mostly contiguous: a dense position table
+            pos = np.full(hi - lo + 1, -1, dtype=np.int64)
+            pos[ls - lo] = np.arange(ls.size)
+
+            def where(x: I64) -> I64:
+                inside = (x >= lo) & (x <= hi)
+                out = np.full(x.size, -1, dtype=np.int64)
+                out[inside] = pos[x[inside] - lo]
+                return out
+        else:
+            srt = np.argsort(ls)
+            sl = ls[srt]
+
+            def where(x: I64) -> I64:
+                i = np.minimum(np.searchsorted(sl, x), sl.size - 1)
+                return np.where(sl[i] == x, srt[i], -1)
+
         for _ in range(64):
-            pw = pos[ptr]
+            pw = where(ptr)
             inner = pw >= 0
             if not inner.any():
                 break

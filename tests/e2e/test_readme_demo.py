@@ -1,0 +1,57 @@
+"""The README's first command on a fresh venv: ``python3 -m venv .venv && .venv/bin/pip install . &&
+.venv/bin/kvtier demo`` (no extras, no vLLM), bounded with ``--duration 20``; the final comparison must print.
+
+Uses pip's configured index (the same one CI installs from). Run: ``pytest tests/e2e/test_readme_demo.py -s``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.peers.procs import free_port
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_readme_first_command_prints_the_comparison() -> None:
+    wd = Path(tempfile.mkdtemp(prefix="kvtier-readme-"))
+    try:
+        venv = wd / ".venv"
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+        pip = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(REPO)],
+                             capture_output=True, text=True, timeout=1800)  # fmt: skip
+        assert pip.returncode == 0, pip.stderr[-3000:]
+        # no dev extras, no vLLM: the demo's imports must not need them
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
+        freeze = subprocess.run(
+            [str(venv / "bin" / "pip"), "freeze"], capture_output=True, text=True, env=env
+        )
+        assert "vllm" not in freeze.stdout.lower() and "pytest" not in freeze.stdout.lower()
+        cmd = [
+            str(venv / "bin" / "kvtier"),
+            "demo",
+            "--duration",
+            "20",
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+        ]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=wd, env=env)
+        out = run.stdout
+        print(out[-4000:])
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert "status page: http://127.0.0.1:" in out
+        assert "cache layer LRU" in out and "kvtier learned" in out
+        for row in ("prefix hit from gpu", "prefix hit from cpu", "bytes moved", "TTFT p50", "TTFT p99",
+                    "throughput"):  # fmt: skip
+            assert row in out, f"final comparison lacks {row!r}"
+    finally:
+        shutil.rmtree(wd, ignore_errors=True)
