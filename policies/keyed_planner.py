@@ -60,13 +60,13 @@ class KeyedPlanner:
         rc = self._v_rc
         sl = slots.tolist()
         kl = keys.tolist()
-        miss = np.flatnonzero(~hit)
-        n_hit = int(miss[0]) if miss.size else len(sl)
+        hl = hit.tolist()
+        n_hit = hl.index(False) if False in hl else len(sl)
         for i in range(n_hit):  # a hit leaf's key changed: push its new entry
             s = sl[i]
             if rc[s] == 0:
                 heapq.heappush(heap, (kl[i], s))
-        if self.capacity <= 0 or not miss.size:
+        if self.capacity <= 0 or n_hit == len(sl):
             return hit
         key = self._v_key
         push, pop = heapq.heappush, heapq.heappop
