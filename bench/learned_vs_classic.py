@@ -1,7 +1,7 @@
 """``learned`` against every classic policy and Belady, per capacity, plus the learned/LRU time ratio.
 
-    python -m bench.learned_vs_classic [--trace bundled|PATH|multiturn|shared-doc|subsample|stretch]
-        [--capacities 0.01,0.02,0.05,0.1,0.2,0.4] [--no-cli]
+    python -m bench.learned_vs_classic [--trace bundled|PATH|multiturn|shared-doc|subsample|subsample25|
+        stretch|longdoc|longdoc2|all] [--capacities 0.01,0.02,0.05,0.1,0.2,0.4] [--no-cli]
 
 Prints token-weighted prefix hit (%), gap closed (policy - LRU) / (Belady - LRU), the best classic
 policy at each capacity, learned - best classic (pt) and the issue's two checks: never more than 0.3 pt
@@ -9,7 +9,10 @@ below the best classic; at 1/2/5/10 % close >= 0.05 more of the gap than it. The
 ``kvtier replay TRACE --policy lru|learned`` commands (same capacity) in this run and prints the ratio.
 Variants: ``multiturn`` = generated multi-turn chat trace, ``shared-doc`` = generated Zipf-popular
 shared documents + unique questions, ``subsample`` = 50 % of the conversation
-trace's sessions, ``stretch`` = conversation with inter-arrival times x 0.5 (all seeded).
+trace's sessions (``subsample25``: 25 %, another seed), ``stretch`` = conversation with inter-arrival times
+x 0.5, ``longdoc``/``longdoc2`` = short traces of long requests over large shared documents shaped like
+Mooncake's *synthetic* trace (all seeded). ``all`` runs every variant and prints only the
+learned - best classic margins (one row per variant).
 """
 
 from __future__ import annotations
@@ -23,8 +26,25 @@ import time
 from kvtier.policies.registry import CLASSIC, get_policy
 from kvtier.replay.engine import replay
 from kvtier.replay.runner import gap_closed, load_workload
-from kvtier.replay.synthetic import multiturn_trace, shared_document_trace, subsample_sessions, time_stretch
+from kvtier.replay.synthetic import (
+    long_document_trace,
+    multiturn_trace,
+    shared_document_trace,
+    subsample_sessions,
+    time_stretch,
+)
 from kvtier.replay.trace import distinct_blocks
+
+VARIANTS = (
+    "bundled",
+    "subsample",
+    "subsample25",
+    "stretch",
+    "multiturn",
+    "shared-doc",
+    "longdoc",
+    "longdoc2",
+)
 
 
 def _requests(trace: str) -> tuple[list, str]:  # type: ignore[type-arg]
@@ -32,10 +52,19 @@ def _requests(trace: str) -> tuple[list, str]:  # type: ignore[type-arg]
         return multiturn_trace(6000, seed=1), "generated multi-turn (6000 requests, seed 1)"
     if trace == "shared-doc":
         return shared_document_trace(4000, seed=1), "generated shared-document (4000 requests, seed 1)"
-    if trace in ("subsample", "stretch"):
+    if trace == "longdoc":
+        return long_document_trace(3993, seed=1), "generated long shared documents (3993 requests, seed 1)"
+    if trace == "longdoc2":
+        return (
+            long_document_trace(3993, seed=2, n_docs=2500, p_follow=0.3, zipf_a=0.9, doc_log_mean=2.8),
+            "generated long shared documents, variant 2 (3993 requests, seed 2)",
+        )
+    if trace in ("subsample", "subsample25", "stretch"):
         base = load_workload("bundled").requests
         if trace == "subsample":
             return subsample_sessions(base, 0.5, seed=1), "conversation, 50 % of sessions (seed 1)"
+        if trace == "subsample25":
+            return subsample_sessions(base, 0.25, seed=3), "conversation, 25 % of sessions (seed 3)"
         return time_stretch(base, 0.5), "conversation, inter-arrival x 0.5"
     wl = load_workload(trace)
     return wl.requests, str(wl.path)
@@ -47,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacities", default="0.01,0.02,0.05,0.1,0.2,0.4")
     ap.add_argument("--no-cli", action="store_true", help="skip the whole-command timing")
     a = ap.parse_args(argv)
+    if a.trace == "all":
+        return _all_variants([float(x) for x in a.capacities.split(",")])
     reqs, label = _requests(a.trace)
     distinct = distinct_blocks(reqs)
     fracs = [float(x) for x in a.capacities.split(",")]
@@ -127,6 +158,30 @@ def main(argv: list[str] | None = None) -> int:
             f"  CPU time (user+sys, robust on a shared machine): lru {cpu['lru']:.2f} s, learned "
             f"{cpu['learned']:.2f} s, learned/lru = {cpu['learned'] / cpu['lru']:.2f}x"
         )
+    return 0
+
+
+def _all_variants(fracs: list[float]) -> int:
+    """learned - best classic (pt) on every variant x capacity; the "never worse" check everywhere."""
+    print("learned - best classic, prefix hit pt (best classic in brackets)")
+    print(f"{'variant':<12}" + "".join(f"{f * 100:>15g}%" for f in fracs))
+    worst = float("inf")
+    for v in VARIANTS:
+        reqs, _ = _requests(v)
+        distinct = distinct_blocks(reqs)
+        cells = []
+        for f in fracs:
+            cap = round(f * distinct)
+            c = {n: 100 * replay(reqs, get_policy(n, cap, 0)).prefix_hit_ratio for n in CLASSIC}
+            best = max(CLASSIC, key=lambda n: c[n])
+            d = 100 * replay(reqs, get_policy("learned", cap, 0)).prefix_hit_ratio - c[best]
+            worst = min(worst, d)
+            cells.append(f"{d:+.2f} ({best})")
+        print(f"{v:<12}" + "".join(f"{x:>16}" for x in cells), flush=True)
+    print(
+        f"\nworst margin {worst:+.2f} pt; never more than 0.3 pt below the best classic: "
+        f"{'yes' if worst >= -0.3 else 'NO'}"
+    )
     return 0
 
 

@@ -57,34 +57,45 @@ def request_features(
     (turn 0 / NaN when nothing is known). Times are milliseconds.
     """
     n = int(freq.shape[0])
-    out = np.empty((n, N_FEATURES), dtype=np.float64)
     if n == 0:
-        return out
-    j = np.arange(n, dtype=np.float64)
-    pos_from_end = (n - 1) - j
-    tail_tokens = input_length - (n - 1) * block_tokens
-    partial = (pos_from_end == 0) & (tail_tokens < block_tokens)
-    first = freq == 0
-    out[:, 0] = np.minimum(pos_from_end, 64.0)
-    out[:, 1] = partial
-    out[:, 2] = np.minimum(j, 512.0)
-    out[:, 3] = n
-    out[:, 4] = np.log1p(max(output_length, 0))
-    out[:, 5] = known_blocks
-    out[:, 6] = n - known_blocks
-    out[:, 7] = turn + 1
-    out[:, 8] = (
+        return np.empty((0, N_FEATURES), dtype=np.float64)
+    out = _template(n).copy()  # the columns that depend only on n (positions)
+    tg = (
         -1.0
         if known_blocks == 0 or not np.isfinite(turn_last_ms)
         else np.log1p(max(now_ms - turn_last_ms, 0.0) / 1000.0)
     )
+    out[:, 4:9] = (np.log1p(max(output_length, 0)), known_blocks, n - known_blocks, turn + 1, tg)
+    if input_length - (n - 1) * block_tokens < block_tokens:
+        out[n - 1, 1] = 1.0
+    first = freq == 0
     out[:, 9] = np.log1p(freq)
-    gap = np.where(first, -1.0, np.log1p(np.maximum(now_ms - last_ms, 0.0) / 1000.0))
+    gap = np.log1p(np.maximum(now_ms - last_ms, 0.0) / 1000.0)
+    gap[first] = -1.0
     out[:, 10] = gap
     out[:, 11] = np.log1p(children)
     out[:, 12] = first
-    out[:, 13] = np.minimum(pos_from_end, 3.0) * 2.0 + first
+    out[:, 13] += first
     return out
+
+
+_TEMPLATES: dict[int, FloatArray] = {}
+
+
+def _template(n: int) -> FloatArray:
+    """Feature rows of an ``n``-block request that depend only on positions (cached per ``n``)."""
+    t = _TEMPLATES.get(n)
+    if t is None:
+        j = np.arange(n, dtype=np.float64)
+        pos_from_end = (n - 1) - j
+        t = np.zeros((n, N_FEATURES), dtype=np.float64)
+        t[:, 0] = np.minimum(pos_from_end, 64.0)
+        t[:, 2] = np.minimum(j, 512.0)
+        t[:, 3] = n
+        t[:, 13] = np.minimum(pos_from_end, 3.0) * 2.0
+        if len(_TEMPLATES) < 4096:
+            _TEMPLATES[n] = t
+    return t
 
 
 def fallback_logit(feats: FloatArray) -> FloatArray:

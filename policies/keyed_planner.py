@@ -29,7 +29,6 @@ class KeyedPlanner:
         self.key = np.zeros(size, dtype=np.float64)
         self.heap: list[tuple[float, int]] = []
         self.n_resident = 0
-        self.score = 0.0  # decayed prefix-hit tokens (expert weight)
         self._views()
 
     def _views(self) -> None:
@@ -61,50 +60,49 @@ class KeyedPlanner:
         rc = self._v_rc
         sl = slots.tolist()
         kl = keys.tolist()
-        miss = np.flatnonzero(~hit)
-        n_hit = int(miss[0]) if miss.size else len(sl)
+        hl = hit.tolist()
+        n_hit = hl.index(False) if False in hl else len(sl)
         for i in range(n_hit):  # a hit leaf's key changed: push its new entry
             s = sl[i]
             if rc[s] == 0:
                 heapq.heappush(heap, (kl[i], s))
-        if self.capacity <= 0 or not miss.size:
+        if self.capacity <= 0 or n_hit == len(sl):
             return hit
+        key = self._v_key
+        push, pop = heapq.heappush, heapq.heappop
+        n_res, cap = self.n_resident, self.capacity
         for i in range(n_hit, len(sl)):
             s = sl[i]
             p = parent[s]
             if res[s] or (p >= 0 and not res[p]):
                 break  # keep the resident set prefix-closed
             res[s] = True
-            self.n_resident += 1
+            n_res += 1
             if p >= 0:
                 rc[p] += 1
-            heapq.heappush(heap, (kl[i], s))
-            if self.n_resident > self.capacity and self._evict_one(parent, on_evict) == s:
+            push(heap, (kl[i], s))
+            if n_res <= cap:
+                continue
+            # evict the smallest-key resident leaf (inlined _evict_one: this loop is the hot path)
+            while True:
+                k, v = pop(heap)
+                if res[v] and rc[v] == 0 and key[v] == k:
+                    break
+            res[v] = False
+            n_res -= 1
+            pv = parent[v]
+            if pv >= 0:
+                rc[pv] -= 1
+                if rc[pv] == 0 and res[pv]:
+                    push(heap, (key[pv], pv))
+            if on_evict is not None:
+                on_evict.append(v)
+            if v == s:
                 break  # bypass: the newcomer is the least likely to return; skip the rest
+        self.n_resident = n_res
         if len(heap) > 4 * self.capacity + 4096:
             self.compact()
         return hit
-
-    def _evict_one(self, parent: memoryview, on_evict: list[int] | None) -> int:
-        heap = self.heap
-        res = self._v_res
-        rc = self._v_rc
-        key = self._v_key
-        pop = heapq.heappop
-        while heap:
-            k, s = pop(heap)
-            if res[s] and rc[s] == 0 and key[s] == k:
-                res[s] = False
-                self.n_resident -= 1
-                p = parent[s]
-                if p >= 0:
-                    rc[p] -= 1
-                    if rc[p] == 0 and res[p]:
-                        heapq.heappush(heap, (key[p], p))
-                if on_evict is not None:
-                    on_evict.append(s)
-                return s
-        raise RuntimeError("over capacity with no evictable leaf")  # unreachable: some leaf always exists
 
     def compact(self) -> None:
         """Rebuild the heap from the current resident leaves (drops stale entries)."""

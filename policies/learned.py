@@ -17,7 +17,7 @@ used. Refit every ``retrain_every`` requests on a bounded seeded sample. Pure, n
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -45,9 +45,11 @@ class LearnedPolicy(Policy):
         max_train: int = 8000,
         min_class: int = 200,
         tau_mode: str = "gap",
-        expert_mults: tuple[float, ...] = (0.25, 1.0, 4.0, 32.0),
+        expert_mults: tuple[float, ...] = (1.0, 32.0),
         switch_every: int = 100,
-        switch_margin: float = 1.01,
+        switch_margin: float = 1.03,
+        switch_z: float = 1.0,
+        recency_mult: float = 1.0,
         shadow_rate: float = 0.25,
         expert_decay: float = 0.998,
         event_buffer: int = 1 << 18,
@@ -60,6 +62,7 @@ class LearnedPolicy(Policy):
         self.tau_mode = tau_mode
         self.switch_every = switch_every
         self.switch_margin = switch_margin
+        self.switch_z = switch_z
         self.expert_decay = expert_decay
         self.fallback_tau_s = 60.0
         self.tau_s = self.fallback_tau_s
@@ -77,7 +80,7 @@ class LearnedPolicy(Policy):
         self._last_event = np.full(cap0, -1, dtype=_I64)
         self._n_slots = 0
         # the real cache follows the best recent of its shadows, which differ only in the recency scale
-        self._real = KeyedPlanner(capacity_blocks, 1.0, cap0)
+        self._real = KeyedPlanner(capacity_blocks, recency_mult, cap0)
         # shadows are miniature simulations (Waldspurger et al., ATC'17): they see only the chains whose
         # first block below the root hashes into a ``shadow_rate`` sample, with capacity scaled alike
         self.shadow_rate = shadow_rate
@@ -85,6 +88,13 @@ class LearnedPolicy(Policy):
         shadow_cap = max(1, round(capacity_blocks * shadow_rate))
         self._shadows = [KeyedPlanner(shadow_cap, m, cap0) for m in expert_mults]
         self._switches = 0
+        # paired expert statistics over the same sampled requests (decayed): per-expert prefix-hit tokens
+        # S, and pairwise differences D[i, j] = sum(h_i - h_j) and their squares Q[i, j]
+        k = len(self._shadows)
+        self._ex_S = np.zeros(k)
+        self._ex_D = np.zeros((k, k))
+        self._ex_Q = np.zeros((k, k))
+        self.switch_log: list[dict[str, float]] = []  # every switch: request, from/to mult, scores, z
         self._views()
         self._evict_age = np.zeros(4096, dtype=np.float64)  # ages (ms) of recently evicted blocks
         self._n_evict_age = 0
@@ -95,7 +105,6 @@ class LearnedPolicy(Policy):
         self._ev_y = np.zeros(self._E, dtype=bool)
         self._ev_gap = np.zeros(self._E, dtype=np.float64)
         self._ev_zm = np.full(self._E, np.nan, dtype=np.float64)  # model log-odds at decision time
-        self._ev_zf = np.zeros(self._E, dtype=np.float64)  # fallback log-odds at decision time
         self._n_events = 0
         self._evaluated_upto = 0  # events before this index are already scored for quality
         self._requests = 0
@@ -138,11 +147,42 @@ class LearnedPolicy(Policy):
         self._v_par = self._parent.data
 
     def _slots_for(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        get = self._slot.get
-        out = np.empty(ids.shape[0], dtype=_I64)
+        """Dense slots of a request's blocks, allocating new ones (parent = previous block of the request)."""
+        idl = ids.tolist()
+        got = list(map(self._slot.get, idl))
+        try:
+            k = got.index(None)
+        except ValueError:
+            return np.array(got, dtype=_I64)
+        m = len(idl) - k
+        if got.count(None) != m or len(set(idl[k:])) != m:
+            return self._slots_for_loop(idl, got)
+        # the usual tree case: a known prefix, then a suffix of never-seen blocks (allocated in bulk)
+        s0 = self._n_slots
+        if s0 + m > self._ids.shape[0]:
+            self._grow(s0 + m)
+        self._n_slots = s0 + m
+        new = np.arange(s0, s0 + m, dtype=_I64)
+        self._slot.update(zip(idl[k:], range(s0, s0 + m), strict=True))
+        self._ids[s0 : s0 + m] = ids[k:]
+        head = cast(list[int], got[:k])  # all known (k is the first unknown)
+        prev = head[-1] if k > 0 else -1
+        self._parent[s0] = prev
+        self._parent[s0 + 1 : s0 + m] = new[:-1]
+        self._children[s0 : s0 + m - 1] += 1
+        if prev >= 0:
+            self._children[prev] += 1
+        out = np.empty(len(idl), dtype=_I64)
+        out[:k] = head
+        out[k:] = new
+        return out
+
+    def _slots_for_loop(self, idl: list[int], got: list[int | None]) -> npt.NDArray[np.int64]:
+        """General case (a known block after a new one, or a block repeated within the request)."""
+        out = np.empty(len(idl), dtype=_I64)
         prev = -1
-        for i, b in enumerate(ids.tolist()):
-            s = get(b)
+        for i, b in enumerate(idl):
+            s = self._slot.get(b)
             if s is None:
                 s = self._n_slots
                 self._n_slots += 1
@@ -176,8 +216,8 @@ class LearnedPolicy(Policy):
             return np.zeros(0, dtype=bool)
         slots = self._slots_for(ids)
         freq = self._freq[slots]
-        unseen = np.flatnonzero(freq == 0)
-        known = int(unseen[0]) if unseen.size else n
+        new = freq == 0
+        known = int(new.argmax()) if new.any() else n
         if known > 0:
             deep = slots[known - 1]
             turn, turn_last = int(self._turn[deep]), float(self._last_ms[deep])
@@ -195,12 +235,10 @@ class LearnedPolicy(Policy):
             last_ms=self._last_ms[slots],
             children=self._children[slots],
         )
-        zf = fallback_logit(x)
-        z = self.model.predict_logit(x) if self.model.trained else zf
-        self._record_events(slots, freq, x, z, zf, now)
+        z = self.model.predict_logit(x) if self.model.trained else fallback_logit(x)
+        self._record_events(slots, x, z, now)
         self._freq[slots] = freq + 1
-        new = freq == 0
-        if new.any():
+        if known < n:
             self._turn[slots[new]] = turn + 1
         now_s = now / 1000.0
         ev: list[int] = []
@@ -212,58 +250,90 @@ class LearnedPolicy(Policy):
             self._evict_age[(self._n_evict_age + np.arange(es.size)) % k] = now - self._last_ms[es]
             self._n_evict_age += es.size
         self._last_ms[slots] = now
-        decay = self.expert_decay
         chain = int(ids[1]) if n > 1 else int(ids[0])
         sampled = (((chain * 0x9E3779B97F4A7C15 + self.seed) & 0xFFFFFFFFFFFFFFFF) >> 40) < self._shadow_cut
-        for sh in self._shadows if sampled else ():
-            h = sh.serve(slots, z + now_s / (self.tau_s * sh.mult), self._v_par, None)
-            lead = n if h.all() else int(np.argmin(h))
-            sh.score = sh.score * decay + (req.input_length if lead == n else lead * req.block_tokens)
+        if sampled and self._shadows:
+            toks = np.empty(len(self._shadows))
+            for i, sh in enumerate(self._shadows):
+                h = sh.serve(slots, z + now_s / (self.tau_s * sh.mult), self._v_par, None)
+                lead = n if h.all() else int(np.argmin(h))
+                toks[i] = req.input_length if lead == n else lead * req.block_tokens
+            decay = self.expert_decay
+            d = toks[:, None] - toks[None, :]
+            self._ex_S *= decay
+            self._ex_S += toks
+            self._ex_D *= decay
+            self._ex_D += d
+            self._ex_Q *= decay
+            self._ex_Q += d * d
         if self._shadows and self._requests % self.switch_every == 0:
             self._follow_leader()
         self._maybe_retrain(now)
         return hit
 
     def _follow_leader(self) -> None:
-        """Switch the real cache's recency scale to the best recent shadow's (if clearly better)."""
-        best = max(self._shadows, key=lambda p: p.score)
-        cur = [p for p in self._shadows if p.mult == self._real.mult]
-        cur_score = cur[0].score if cur else 0.0
-        if best.mult != self._real.mult and best.score > self.switch_margin * cur_score:
-            self._real.mult = best.mult
-            self._switches += 1
-            self._rekey([self._real])
+        """Switch the real cache's recency scale to a shadow's that was *significantly* better.
+
+        The shadows serve the same sampled requests, so their per-request prefix-hit tokens are paired:
+        expert j replaces the current expert c only if over the decayed window it got more tokens by
+        ``switch_margin`` and the paired lead is ``switch_z`` standard errors above zero
+        (``D[j, c] / sqrt(Q[j, c])``). This is the hysteresis: noise on short traces does not switch.
+        """
+        mults = [p.mult for p in self._shadows]
+        if self._real.mult not in mults:
+            return
+        c = mults.index(self._real.mult)
+        best, best_z = -1, self.switch_z
+        for j in range(len(mults)):
+            if j == c or self._ex_S[j] <= self.switch_margin * self._ex_S[c]:
+                continue
+            q = self._ex_Q[j, c]
+            zj = self._ex_D[j, c] / np.sqrt(q) if q > 0 else 0.0
+            if zj > best_z:
+                best, best_z = j, zj
+        if best < 0:
+            return
+        self.switch_log.append(
+            {
+                "request": float(self._requests),
+                "from_mult": mults[c],
+                "to_mult": mults[best],
+                "from_score": float(self._ex_S[c]),
+                "to_score": float(self._ex_S[best]),
+                "z": float(best_z),
+            }
+        )
+        self._real.mult = mults[best]
+        self._switches += 1
+        self._rekey([self._real])
 
     # ----------------------------------------------------------------- learning
     def _record_events(
         self,
         slots: npt.NDArray[np.int64],
-        freq: npt.NDArray[np.int64],
         x: npt.NDArray[np.float64],
         z: npt.NDArray[np.float64],
-        zf: npt.NDArray[np.float64],
         now: float,
     ) -> None:
         E = self._E
         # label the previous access of re-touched blocks (reuse within the horizon)
         prev = self._last_event[slots]
-        live = (prev >= 0) & (prev > self._n_events - E)
+        live = prev > max(self._n_events - E, -1)
         if live.any():
             pe = prev[live] % E
             gap = now - self._ev_t[pe]
             self._ev_gap[pe] = gap
-            ok = gap <= self.horizon_ms
-            self._ev_y[pe[ok]] = True
+            self._ev_y[pe[gap <= self.horizon_ms]] = True
         n = slots.shape[0]
-        ev = np.arange(self._n_events, self._n_events + n, dtype=_I64)
-        pos = ev % E
+        p0 = self._n_events % E
+        pos: slice | npt.NDArray[np.int64]
+        pos = slice(p0, p0 + n) if p0 + n <= E else np.arange(p0, p0 + n, dtype=_I64) % E
         self._ev_x[pos] = x
         self._ev_t[pos] = now
         self._ev_y[pos] = False
         self._ev_gap[pos] = np.inf
         self._ev_zm[pos] = z if self.model.trained else np.nan
-        self._ev_zf[pos] = zf
-        self._last_event[slots] = ev
+        self._last_event[slots] = np.arange(self._n_events, self._n_events + n, dtype=_I64)
         self._n_events += n
 
     def _labelled_range(self, hi_cut: float) -> tuple[int, int]:
@@ -383,7 +453,7 @@ class LearnedPolicy(Policy):
         if not m.any():
             return
         y = self._ev_y[pos][m]
-        zf = self._ev_zf[pos][m]
+        zf = fallback_logit(self._ev_x[pos][m].astype(np.float64))  # the fallback's log-odds, same rows
         zmm = zm[m]
         self._q_z.append(zmm)
         self._q_zf.append(zf)
@@ -422,7 +492,7 @@ class LearnedPolicy(Policy):
             "tau_s": self.tau_s,
             "recency_mult": self._real.mult,
             "expert_switches": self._switches,
-            "expert_scores": {str(p.mult): p.score for p in self._shadows},
+            "expert_scores": {str(p.mult): float(v) for p, v in zip(self._shadows, self._ex_S, strict=True)},
             "auc": auc(y, z),
             "auc_first_touch": auc(y[first], z[first]),
             "auc_retouched": auc(y[~first], z[~first]),

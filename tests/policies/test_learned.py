@@ -158,3 +158,97 @@ def test_cli_max_requests_writes_the_first_lines_of_the_full_run(tmp_path: Path)
     assert len(out["head"]) == 3000 and len(out["full"]) == 12031
     assert out["head"] == out["full"][:3000]
     assert sum(json.loads(x)["prefix_hit_tokens"] for x in out["head"]) > 0
+
+
+def test_expert_switch_needs_a_significant_paired_lead() -> None:
+    """Hand-set paired statistics: a noisy lead does not switch, a clear one does (and is logged)."""
+    pol = LearnedPolicy(100, expert_mults=(0.25, 1.0, 4.0))
+    assert pol._real.mult == 1.0
+    # expert 2 got 20 % more tokens, but per-request differences are so noisy the lead is < 1 s.e.
+    pol._ex_S[:] = (100.0, 1000.0, 1200.0)
+    pol._ex_D[2, 1], pol._ex_Q[2, 1] = 200.0, 1e6
+    pol._follow_leader()
+    assert pol._real.mult == 1.0 and pol.switch_log == []
+    # expert 0 has a consistent paired lead but fewer total tokens than the margin requires: no switch
+    pol._ex_D[0, 1], pol._ex_Q[0, 1] = 50.0, 10.0
+    pol._follow_leader()
+    assert pol._real.mult == 1.0
+    # now expert 2's lead is consistent (many small positive differences): it takes over
+    pol._ex_Q[2, 1] = 200.0**2 / 9.0  # z = 3
+    pol._follow_leader()
+    assert pol._real.mult == 4.0
+    (sw,) = pol.switch_log
+    assert sw["from_mult"] == 1.0 and sw["to_mult"] == 4.0 and sw["z"] == pytest.approx(3.0)
+
+
+def test_expert_switches_on_a_real_stream_only_go_to_better_experts() -> None:
+    """Shared-document trace (frequency matters, so the frequency-heavy expert should win at some point)."""
+    from kvtier.replay.synthetic import shared_document_trace
+
+    reqs = shared_document_trace(2500, seed=2)
+    pol = LearnedPolicy(2000, **FAST)  # type: ignore[arg-type]
+    replay(reqs, pol)
+    assert pol.switch_log, "expected at least one switch on a frequency-heavy trace"
+    for sw in pol.switch_log:
+        assert sw["to_score"] > pol.switch_margin * sw["from_score"]
+        assert sw["z"] > pol.switch_z
+    assert pol.quality()["recency_mult"] == pol.switch_log[-1]["to_mult"]
+
+
+@pytest.mark.parametrize("cap", [1, 5, 37])
+def test_pinning_never_exceeds_capacity_when_a_request_is_longer_than_the_cache(cap: int) -> None:
+    pol = LearnedPolicy(cap)
+    long = Request(0.0, 60 * 512, 10, np.arange(100, 160, dtype=np.int64))
+    h = pol.access(long)
+    assert not h.any() and len(pol) <= cap
+    # what stayed is the request's own prefix (the in-flight chain), so the repeat hits exactly that
+    kept = sum(pol.contains(b) for b in range(100, 160))
+    assert kept == len(pol) and all(pol.contains(b) for b in range(100, 100 + kept))
+    h2 = pol.access(Request(1000.0, 60 * 512, 10, np.arange(100, 160, dtype=np.int64)))
+    assert int(h2.sum()) == kept and h2[:kept].all() and len(pol) <= cap
+
+
+def test_tight_cache_on_long_documents_stays_prefix_closed_and_within_capacity() -> None:
+    """Capacity close to the longest request (Mooncake-synthetic-like trace, 1 % of its blocks)."""
+    from kvtier.replay.synthetic import long_document_trace
+
+    reqs = long_document_trace(600, seed=4)
+    longest = max(len(r.hash_ids) for r in reqs)
+    cap = longest + 5
+    pol = LearnedPolicy(cap, **FAST)  # type: ignore[arg-type]
+    parent: dict[int, int] = {}
+    resident: set[int] = set()
+    for r in reqs:
+        ids = r.hash_ids.tolist()
+        parent.update(zip(ids[1:], ids[:-1], strict=True))
+        pol.access(r)
+        resident |= {b for b in ids if pol.contains(b)}
+        resident -= set(pol.drain_evicted())
+        assert len(pol) == len(resident) <= cap
+        assert all(b not in parent or parent[b] in resident for b in resident)
+
+
+def test_non_tree_requests_fall_back_to_the_general_slot_path() -> None:
+    """A block repeated within a request, and a known block after a new one, are still served."""
+    pol = LearnedPolicy(10)
+    pol.access(Request(0.0, 3 * 512, 1, np.array([1, 2, 3], dtype=np.int64)))
+    h = pol.access(Request(1.0, 4 * 512, 1, np.array([1, 9, 3, 3], dtype=np.int64)))
+    assert h.tolist()[:1] == [True] and pol.contains(9)
+    assert len(pol) <= 10
+
+
+def test_long_document_trace_is_seeded_and_shaped_like_the_synthetic_trace() -> None:
+    from collections import Counter
+
+    from kvtier.replay.synthetic import long_document_trace
+
+    a, b = long_document_trace(3993, seed=1), long_document_trace(3993, seed=1)
+    assert all(
+        np.array_equal(x.hash_ids, y.hash_ids) and x.timestamp_ms == y.timestamp_ms
+        for x, y in zip(a, b, strict=True)
+    )
+    counts = Counter(i for r in a for i in r.hash_ids.tolist())
+    once = sum(v == 1 for v in counts.values()) / len(counts)
+    assert 0.5 < once < 0.66  # synthetic: 58 % of blocks used once
+    assert max(len(r.hash_ids) for r in a) <= 374
+    assert a[-1].timestamp_ms <= 1020 * 1000.0
