@@ -44,7 +44,7 @@ def config_yaml(
         "global:",
         f"  scrape_interval: {int(interval_s * 1000)}ms",
         f"  evaluation_interval: {int(interval_s * 1000)}ms",
-        f"  scrape_timeout: {int(max(interval_s * 0.9, 0.5) * 1000)}ms",
+        f"  scrape_timeout: {int(interval_s * 1000)}ms",
     ]
     if rule_files:
         lines.append("rule_files:")
@@ -136,11 +136,15 @@ class Prometheus:
         return [r for g in self.api("rules")["groups"] for r in g["rules"]]
 
     def wait_scraped(self, jobs: set[str], samples: int = 2, timeout_s: float = 60.0) -> None:
-        """Poll until every job's targets are up and have at least ``samples`` scrapes stored."""
+        """Poll until every job's targets are up and have at least ``samples`` successful scrapes stored.
+
+        Counts ``up == 1`` samples (a timed-out scrape stores ``up 0`` and no series), so rate() over the
+        window has real points even on a loaded machine.
+        """
 
         def ok() -> bool:
             for job in jobs:
-                res = self.query(f'count_over_time(up{{job="{job}"}}[5m])')
+                res = self.query(f'sum_over_time(up{{job="{job}"}}[5m])')
                 ups = self.query(f'up{{job="{job}"}} == 1')
                 if len(ups) < len(self.jobs[job]) or any(float(r["value"][1]) < samples for r in res):
                     return False
