@@ -184,15 +184,11 @@ class Collector(ABC, Generic[RawT, ObsT]):
         self.count_error(kind, self.health.last_error)
 
 
-class HttpCollector(Collector[str, ObsT]):
-    """A collector that GETs ``base_url + path`` with an injected ``httpx.AsyncClient``.
+class HttpPeerCollector(Collector[RawT, ObsT]):
+    """A collector of one HTTP peer at ``base_url``, with an injected ``httpx.AsyncClient``.
 
-    Subclasses set :attr:`path` (or override :meth:`fetch` for several endpoints) and implement :meth:`parse`.
-    The default :meth:`fetch` returns the response text (raises on HTTP status >= 400); override it (and
-    use :meth:`get`) for JSON or several endpoints, with ``Collector[RawT, ObsT]`` semantics kept.
+    Subclasses implement :meth:`fetch` with :meth:`get` (one or several endpoints) and :meth:`parse`.
     """
-
-    path: str = "/metrics"
 
     def __init__(
         self,
@@ -210,16 +206,28 @@ class HttpCollector(Collector[str, ObsT]):
         self.timeout_s = timeout_s
 
     async def get(self, path: str) -> httpx.Response:
-        """GET ``base_url + path``; raises ``httpx.HTTPStatusError`` on status >= 400."""
-        resp = await self.client.get(self.base_url + path, timeout=self.timeout_s)
+        """GET ``base_url + path`` (one retry on a stale pooled connection); raises on status >= 400."""
+        try:
+            resp = await self.client.get(self.base_url + path, timeout=self.timeout_s)
+        except (httpx.RemoteProtocolError, httpx.ReadError):
+            resp = await self.client.get(self.base_url + path, timeout=self.timeout_s)
         resp.raise_for_status()
         return resp
-
-    async def fetch(self) -> str:
-        resp = await self.get(self.path)
-        return resp.text
 
     def status(self) -> dict[str, Any]:
         out = super().status()
         out["url"] = self.base_url
         return out
+
+
+class HttpCollector(HttpPeerCollector[str, ObsT]):
+    """An :class:`HttpPeerCollector` whose raw input is the text of ``GET base_url + path``.
+
+    Subclasses set :attr:`path` and implement :meth:`parse`.
+    """
+
+    path: str = "/metrics"
+
+    async def fetch(self) -> str:
+        resp = await self.get(self.path)
+        return resp.text

@@ -6,15 +6,10 @@ admit/evict messages; kvtier polls its counts. Units: keys, workers, seconds.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-from prometheus_client import CollectorRegistry
-
-from .base import Clock, Collector, Observation
-from .httpget import get
+from .base import HttpPeerCollector, Observation
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,19 +60,12 @@ class ControllerRaw:
     workers: Any
 
 
-class LMCacheControllerCollector(Collector[ControllerRaw, LMCacheControllerSample]):
+class LMCacheControllerCollector(HttpPeerCollector[ControllerRaw, LMCacheControllerSample]):
     kind = "lmcache_controller"
 
-    def __init__(self, name: str, base_url: str, *, client: httpx.AsyncClient, registry: CollectorRegistry,
-                 clock: Clock = time.time, timeout_s: float = 5.0) -> None:
-        super().__init__(name, registry=registry, clock=clock)
-        self.base_url = base_url.rstrip("/")
-        self.client = client
-        self.timeout_s = timeout_s
-
     async def fetch(self) -> ControllerRaw:
-        ks = await get(self.client, self.base_url + "/controller/key-stats", self.timeout_s)
-        wk = await get(self.client, self.base_url + "/controller/workers", self.timeout_s)
+        ks = await self.get("/controller/key-stats")
+        wk = await self.get("/controller/workers")
         return ControllerRaw(ks.json(), wk.json())
 
     def parse(self, raw: ControllerRaw, now: float) -> LMCacheControllerSample:

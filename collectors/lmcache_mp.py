@@ -6,17 +6,12 @@ label sets (model_name, cache_salt, l1_tag, l2_name). Units: tokens, chunks, byt
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-from prometheus_client import CollectorRegistry
-
 from kvtier.policies.tiers import Tier
 
-from .base import Clock, Collector, Observation
-from .httpget import get
+from .base import HttpPeerCollector, Observation
 from .promtext import ParsedText, parse_families
 
 PREFIX = "lmcache_mp_"
@@ -120,23 +115,16 @@ class LMCacheMPRaw:
     status: dict[str, Any] | None
 
 
-class LMCacheMPCollector(Collector[LMCacheMPRaw, LMCacheMPSample]):
+class LMCacheMPCollector(HttpPeerCollector[LMCacheMPRaw, LMCacheMPSample]):
     """Scrapes one LMCache MP server's HTTP port (``/metrics``, and ``/status`` when it answers)."""
 
     kind = "lmcache_mp"
 
-    def __init__(self, name: str, base_url: str, *, client: httpx.AsyncClient, registry: CollectorRegistry,
-                 clock: Clock = time.time, timeout_s: float = 5.0) -> None:
-        super().__init__(name, registry=registry, clock=clock)
-        self.base_url = base_url.rstrip("/")
-        self.client = client
-        self.timeout_s = timeout_s
-
     async def fetch(self) -> LMCacheMPRaw:
-        r = await get(self.client, self.base_url + "/metrics", self.timeout_s)
+        r = await self.get("/metrics")
         status: dict[str, Any] | None = None
         try:
-            s = await get(self.client, self.base_url + "/status", self.timeout_s)
+            s = await self.get("/status")
             status = s.json()
         except Exception as exc:  # noqa: BLE001 - metrics alone are still useful
             self.count_error("status", exc)

@@ -7,17 +7,12 @@ Units: bytes, keys, requests (counters are cumulative since master start).
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-from prometheus_client import CollectorRegistry
-
 from kvtier.policies.tiers import normalize_tier
 
-from .base import Clock, Collector, Observation
-from .httpget import get
+from .base import HttpPeerCollector, Observation
 from .promtext import ParsedText, parse_families
 
 # tier spelling (Mooncake) -> (allocated sample, capacity sample)
@@ -142,23 +137,16 @@ class MooncakeRaw:
     summary_text: str | None
 
 
-class MooncakeCollector(Collector[MooncakeRaw, MooncakeSample]):
+class MooncakeCollector(HttpPeerCollector[MooncakeRaw, MooncakeSample]):
     """Scrapes one Mooncake master's admin/metrics port (``-metrics_port``)."""
 
     kind = "mooncake"
 
-    def __init__(self, name: str, base_url: str, *, client: httpx.AsyncClient, registry: CollectorRegistry,
-                 clock: Clock = time.time, timeout_s: float = 5.0) -> None:
-        super().__init__(name, registry=registry, clock=clock)
-        self.base_url = base_url.rstrip("/")
-        self.client = client
-        self.timeout_s = timeout_s
-
     async def fetch(self) -> MooncakeRaw:
-        r = await get(self.client, self.base_url + "/metrics", self.timeout_s)
+        r = await self.get("/metrics")
         summary: str | None = None
         try:
-            s = await get(self.client, self.base_url + "/metrics/summary", self.timeout_s)
+            s = await self.get("/metrics/summary")
             summary = s.text
         except Exception as exc:  # noqa: BLE001
             self.count_error("summary", exc)

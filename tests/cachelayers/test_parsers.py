@@ -99,8 +99,9 @@ def test_scrape_get_retries_once_on_a_stale_keepalive_connection() -> None:
     import asyncio
 
     import httpx
+    from prometheus_client import CollectorRegistry
 
-    from kvtier.collectors.httpget import get
+    from kvtier.collectors.lmcache_mp import LMCacheMPCollector
 
     calls = {"n": 0}
 
@@ -112,6 +113,7 @@ def test_scrape_get_retries_once_on_a_stale_keepalive_connection() -> None:
 
     async def go() -> str:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
-            return (await get(c, "http://peer/metrics", 1.0)).text
+            col = LMCacheMPCollector("mp", "http://peer", client=c, registry=CollectorRegistry())
+            return (await col.get("/metrics")).text
 
     assert asyncio.run(go()) == "ok" and calls["n"] == 2
