@@ -366,8 +366,9 @@ class ReconcileLoop:
                 want = pl.desired_mask(view.hashes, lookup)
                 here = (view.tier_mask & np.uint8(tier_bit(pl.tier))) != 0
                 # scored by the policy: the rows its diff moves, and the blocks just requested
-                moved = np.flatnonzero(want ^ here)
-                rows = np.unique(np.concatenate([moved, pl.touched_rows(view.hashes, lookup)]))
+                scored = want ^ here
+                scored[pl.touched_rows(view.hashes, lookup)] = True
+                rows = np.flatnonzero(scored)
                 self._policy_rows = rows
                 self._desired = want
                 if rows.size:
