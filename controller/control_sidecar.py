@@ -70,14 +70,17 @@ class ControlledSidecar(Sidecar):
         acts = []
         for name in settings.actuators:
             extra: dict[str, Any] = {}
+            options = dict(settings.actuator_options.get(name) or {})
             if name == "vllm-warmup":
                 from kvtier.controller.actuators.vllm_warmup import WarmupBudget
 
                 extra["budget"] = WarmupBudget(settings.warmup_tokens_per_s, settings.warmup_requests_per_s)
+            if name == "lmcache-mp" and "model_name" not in options and engine_url:
+                # LMCache keys name the model by vLLM's --model path (/v1/models "root"), not the served name
+                options["model_name"] = discover_model(engine_url, field="root") or model
             acts.append(make_actuator(name, engine_url=engine_url, engine_model=model,
                                       lmcache_url=settings.lmcache_urls[0] if settings.lmcache_urls else None,
-                    options=settings.actuator_options.get(name),
-                                      **extra))  # fmt: skip
+                                      options=options, **extra))  # fmt: skip
         self.tracer_provider = make_tracer_provider()
         self.plane = build_control_plane(
             self.ingestor.index, registry=self.registry, state_dir=settings.state_dir, mode=settings.mode,
@@ -105,12 +108,13 @@ class ControlledSidecar(Sidecar):
         return out
 
 
-def discover_model(engine_url: str, timeout_s: float = 5.0) -> str:
-    """First served model name of a vLLM server (``GET /v1/models``); "" when unreachable."""
+def discover_model(engine_url: str, timeout_s: float = 5.0, field: str = "id") -> str:
+    """First model of a vLLM server (``GET /v1/models``): its served name (``id``) or its ``--model``
+    path (``root``); "" when unreachable."""
     try:
         r = httpx.get(engine_url.rstrip("/") + "/v1/models", timeout=timeout_s)
         r.raise_for_status()
-        return str(r.json()["data"][0]["id"])
+        return str(r.json()["data"][0][field])
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         log.warning(
             "could not discover the served model of %s (%s); set KVTIER_ENGINE_MODEL", engine_url, exc

@@ -6,6 +6,11 @@ repeated tick over unchanged state is a no-op. KV events only *wake* the loop (:
 state always comes from the index. A failing predictor falls back to the heuristic one, a failing observe
 or plan stage to "no action"; each fallback is counted and the loop keeps running. Ticks have a timeout.
 
+Cache layers that emulate pins (``refresh_pins()``, e.g. ``lmcache-mp``) get that call once per active
+tick, and pins deleted through the API are forgotten at the layer (``unpin``). The index only sees vLLM's
+own (GPU) residency, so the loop overlays what its applied actuations established in the layer's tiers
+(pin/promote -> resident there, demote -> moved down, evict -> gone) on the observed tier mask.
+
 Modes: ``off`` (observe only), ``shadow`` (decide, record, score counterfactually; the default) and
 ``active`` (decide and actuate; moves no configured actuator can do are recorded as shadow decisions).
 Clock injected (seconds); the index keeps milliseconds (``index_ms_per_s``).
@@ -160,6 +165,10 @@ class ReconcileLoop:
         self._policy_exc: BaseException | None = None
         self._quality_at = -1  # policy retrains count when kvtier_predictor_auc was last set
         self.pinned_at_layer: set[int] = set()
+        # block -> (actuator, ref) of pins a layer acknowledged (unpinned there when the pin goes away)
+        self._layer_pins: dict[int, tuple[str, BlockRef, Tier]] = {}
+        # block -> (bits of layer-managed tiers, bits resident there) learned from applied actuations
+        self.layer_residency: dict[int, tuple[int, int]] = {}
         self.tick_no = 0
         self.last: TickReport | None = None
         self.errors: Counter[str] = Counter()
@@ -169,6 +178,12 @@ class ReconcileLoop:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.fault: dict[str, BaseException] = {}  # test hook: stage -> exception to raise (fault injection)
         metrics.init_layers(a.name for a in self.actuators)
+        for a in self.actuators:  # actions outside the planner's: pin upkeep of emulated-pin layers
+            extra = [act for act, ok in (("pin_refresh", callable(getattr(a, "refresh_pins", None))),
+                                         ("unpin", a.supports(Capability.UNPIN))) if ok]  # fmt: skip
+            for act_name in extra:
+                for o in ("applied", "failed", "skipped"):
+                    metrics.actuations.labels(layer=a.name, action=act_name, outcome=o)
         metrics.set_mode(policy.mode)
 
     # -- configuration -----------------------------------------------------------------------------------
@@ -240,6 +255,9 @@ class ReconcileLoop:
                 self.errors[type(exc).__name__] += 1
                 log.exception("tick %d failed", self.tick_no)
                 span.record_exception(exc)
+            if self.policy.mode != "off":
+                with self._phase("act"):
+                    self._maintain_layer_pins(now)
             span.set_attribute("kvtier.decisions", rep.decisions)
             span.set_attribute("kvtier.outcome", rep.outcome)
         rep.duration_s = time.perf_counter() - t0
@@ -333,9 +351,14 @@ class ReconcileLoop:
             self._tokens_buf = np.full(n, self.policy.block_size_tokens, np.int32)
         nb = idx.nbytes[:n]
         nbytes = np.where(nb > 0, nb, self.policy.block_bytes)
+        mask = idx.tiers[:n].copy()
+        for h, (managed, bits) in list(self.layer_residency.items()):
+            r = idx.slot_of(h)
+            if 0 <= r < n:
+                mask[r] = (int(mask[r]) & ~managed) | bits
         view = BlockView(
             hashes=idx.hash[:n],
-            tier_mask=idx.tiers[:n].copy(),
+            tier_mask=mask,
             tokens=self._tokens_buf,
             nbytes=nbytes,
             p_reuse=np.zeros(n, np.float32),
@@ -446,7 +469,7 @@ class ReconcileLoop:
         if self.assume_admittable:
             return np.ones(len(view), np.bool_)
         adm = np.zeros(len(view), np.bool_)
-        if len(self.tokens) == 0:
+        if len(self.tokens) == 0 or not self._admits_possible():
             return adm
         cand = np.flatnonzero((view.tier_mask == 0) & (p >= self.policy.reuse_threshold))
         if cand.size > 4096:
@@ -455,6 +478,14 @@ class ReconcileLoop:
             if int(view.hashes[r]) in self.tokens:
                 adm[r] = True
         return adm
+
+    def _admits_possible(self) -> bool:
+        """Active mode plans admissions only when an actuator can re-create blocks (vllm-warmup) or records
+        everything (shadow); otherwise those infeasible moves would crowd feasible ones out of the budget
+        (an admit's gain is the whole prefill, a disk -> cpu promote's only the load-time difference)."""
+        if self.policy.mode != "active":
+            return True
+        return any(getattr(a, "recreates", False) or a.name == "shadow" for a in self.actuators)
 
     # -- acting --------------------------------------------------------------------------------------------
     def _actuator_for(self, m: Move) -> Actuator | None:
@@ -466,12 +497,40 @@ class ReconcileLoop:
                 continue
             if m.action == "admit" and not getattr(a, "recreates", False):
                 continue
-            tiers = getattr(a, "tiers", None) or LAYER_TIERS.get(a.name)
-            target = m.dst if m.action != "evict" else m.src
-            if tiers is not None and target not in tiers:
+            tiers = self._tiers_of(a)
+            # both ends of the move must be the layer's (a gpu -> cpu demote is not LMCache's to make)
+            ends = [t for t in ((m.src, m.dst) if m.action != "evict" else (m.src,)) if t is not None]
+            if m.action == "pin":
+                ends = [m.dst] if m.dst is not None else []
+            if tiers is not None and not all(t in tiers for t in ends):
                 continue
             return a
         return None
+
+    @staticmethod
+    def _tiers_of(a: Actuator) -> frozenset[Tier] | None:
+        tiers: frozenset[Tier] | None = getattr(a, "tiers", None) or LAYER_TIERS.get(a.name)
+        return tiers
+
+    def _learn_residency(self, act: Actuator, m: Move) -> None:
+        """Overlay the effect of an applied move in the layer's own tiers (the index cannot see them)."""
+        tiers = self._tiers_of(act)
+        if not tiers:
+            return
+        managed = 0
+        for t in tiers:
+            managed |= tier_bit(t)
+        _, bits = self.layer_residency.get(m.block, (managed, 0))
+        if m.action in ("demote", "evict") and m.src is not None and m.src in tiers:
+            bits &= ~tier_bit(m.src)
+        elif m.action == "evict":
+            bits = 0
+        if m.action != "evict" and m.dst is not None and m.dst in tiers:
+            bits |= tier_bit(m.dst)
+        if bits:
+            self.layer_residency[m.block] = (managed, bits)
+        else:
+            self.layer_residency.pop(m.block, None)
 
     def _ref(self, m: Move, pin_tokens: dict[int, Any]) -> BlockRef:
         toks: tuple[int, ...] | None = None
@@ -528,9 +587,18 @@ class ReconcileLoop:
                 span.set_attribute("kvtier.decision_ids", [d.id for _, d, _ in items])
                 t0 = time.perf_counter()
                 refs = [ref for _, _, ref in items]
-                res = self._call(act, action, src, dst, refs)
-                outcomes = res.by_key()
-                if not all(rf.layer_key in outcomes for rf in refs):
+                if getattr(act, "token_addressed", False) and len(refs) > 1:
+                    # one call per ref: the layer's keys are chunks of each ref's prefix, and a batched
+                    # call would leave nothing for the per-ref attribution below to observe
+                    outcomes = {
+                        rf.layer_key: _aggregate(rf.layer_key, self._call(act, action, src, dst, [rf]))
+                        for rf in refs
+                    }
+                    res = None
+                else:
+                    res = self._call(act, action, src, dst, refs)
+                    outcomes = res.by_key()
+                if res is not None and not all(rf.layer_key in outcomes for rf in refs):
                     # the layer reports its own keys (e.g. LMCache chunks): attribute them ref by ref
                     outcomes = {}
                     for rf in refs:
@@ -548,10 +616,68 @@ class ReconcileLoop:
                     self.metrics.actuations.labels(layer=name, action=action, outcome=d.outcome).inc()
                     if d.outcome == "applied":
                         self.metrics.moves_applied.labels(action=action).inc()
-                        if action == "pin":
-                            self.pinned_at_layer.add(m.block)
+                        self._learn_residency(act, m)
+                    elif d.outcome == "skipped" and action in ("demote", "evict") and "not present" in (
+                        d.detail or ""
+                    ):
+                        # the layer had no copy there any more (another ref of the chain freed the shared
+                        # chunk, or the layer evicted it): the desired state holds, do not plan it again
+                        self._learn_residency(act, m)
+                    if action == "pin" and d.outcome in ("applied", "skipped"):
+                        # skipped = nothing for the layer to hold (e.g. shorter than one LMCache chunk)
+                        self.pinned_at_layer.add(m.block)
+                        self._layer_pins[m.block] = (name, ref, m.dst or Tier.CPU)
                     self._record(d, rep)
                 for k, v in counts.items():
+                    span.set_attribute(f"kvtier.outcome.{k}", v)
+
+    def _maintain_layer_pins(self, now: float) -> None:
+        """Forget pins the operator removed (``unpin`` at the layer); in active mode, let layers that
+        emulate pins re-assert them (``refresh_pins()``: re-loads what the layer evicted under pressure)."""
+        by_name = {a.name: a for a in self.actuators}
+        if self._layer_pins:
+            wanted = self.pins.block_map(now)
+            gone: dict[tuple[str, Tier], list[tuple[int, BlockRef]]] = {}
+            for b, (name, ref, tier) in list(self._layer_pins.items()):
+                if b not in wanted:
+                    gone.setdefault((name, tier), []).append((b, ref))
+            for (name, tier), items in gone.items():
+                act = by_name.get(name)
+                for b, _ in items:
+                    self._layer_pins.pop(b, None)
+                    self.pinned_at_layer.discard(b)
+                if act is None or not act.supports(Capability.UNPIN):
+                    continue
+                try:
+                    res = act.unpin([ref for _, ref in items], tier)
+                except Exception as exc:  # noqa: BLE001
+                    self.errors[f"unpin:{type(exc).__name__}"] += 1
+                    log.warning("actuator %s unpin failed: %s", name, exc)
+                    continue
+                for o in res.outcomes:
+                    self._child(self.metrics.actuations, name, "unpin", o.outcome.value).inc()
+        if self.policy.mode != "active":
+            return
+        for act in self.actuators:
+            refresh = getattr(act, "refresh_pins", None)
+            if not callable(refresh):
+                continue
+            with self.tracer.start_as_current_span("kvtier.actuate") as span:
+                span.set_attribute("kvtier.layer", act.name)
+                span.set_attribute("kvtier.action", "pin_refresh")
+                t0 = time.perf_counter()
+                try:
+                    res = refresh()
+                except Exception as exc:  # noqa: BLE001 - an adapter bug must not kill the tick
+                    self.errors[f"pin_refresh:{type(exc).__name__}"] += 1
+                    log.warning("actuator %s refresh_pins failed: %s", act.name, exc)
+                    continue
+                if not res.outcomes:
+                    continue
+                self.metrics.actuation_seconds.labels(layer=act.name).observe(time.perf_counter() - t0)
+                counts = Counter(o.outcome.value for o in res.outcomes)
+                for k, v in counts.items():
+                    self._child(self.metrics.actuations, act.name, "pin_refresh", k).inc(v)
                     span.set_attribute(f"kvtier.outcome.{k}", v)
 
     def _call(

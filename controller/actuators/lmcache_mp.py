@@ -85,12 +85,17 @@ class LMCacheMPActuator(Actuator):
     """Adapter for one LMCache MP server's HTTP API (``base_url`` = its ``--http-host/--http-port``)."""
 
     name = "lmcache-mp"
+    token_addressed = True  # one ref's keys are the chunks of its prefix, not its layer_key
 
     def __init__(self, caller: HttpCaller, *, world_size: int = 1, chunk_size: int | None = None,
                  l2_verifier: L2Verifier | None = None, discover_verifier: bool = True,
                  prefetch_timeout_s: float = 10.0, poll_interval_s: float = 0.01,
+                 model_name: str = "",
                  clock: Clock = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+        """``model_name``: LMCache's model name (vLLM's ``--model`` path) used instead of ``BlockRef.model``
+        when set (the loop's refs carry the served name)."""
         self.caller = caller
+        self.model_name = model_name
         self.world_size = world_size
         self._chunk_size = chunk_size
         self._verifier = l2_verifier
@@ -131,15 +136,19 @@ class LMCacheMPActuator(Actuator):
         return AdapterHealth(self.name, b.state, b.consecutive_failures, b.last_error)
 
     # ---- keys ------------------------------------------------------------------------------------
+    def _model(self, ref: BlockRef) -> str:
+        return self.model_name or ref.model
+
     def keys_for(self, ref: BlockRef) -> list[ObjectKey]:
         """Object keys a ref addresses: every full chunk of its prefix, or its one ``layer_key``."""
         ranks = None if ref.rank is None else [ref.rank]
+        model = self._model(ref)
         if ref.token_ids:
-            return object_keys(ref.model, ref.token_ids, self.chunk_size(), cache_salt=ref.cache_salt,
+            return object_keys(model, ref.token_ids, self.chunk_size(), cache_salt=ref.cache_salt,
                                world_size=self.world_size, ranks=ranks)
         if ref.layer_key:
             rs = range(self.world_size) if ref.rank is None else [ref.rank]
-            return [ObjectKey(ref.layer_key, ref.model, kv_rank(self.world_size, r), 0, ref.cache_salt)
+            return [ObjectKey(ref.layer_key, model, kv_rank(self.world_size, r), 0, ref.cache_salt)
                     for r in rs]
         return []
 
@@ -216,7 +225,7 @@ class LMCacheMPActuator(Actuator):
 
     def _prefetch_one(self, res: ActuationResult, ref: BlockRef, keys: list[ObjectKey],
                       labels: list[str]) -> list[KeyOutcome]:
-        body = {"model_name": ref.model, "world_size": self.world_size,
+        body = {"model_name": self._model(ref), "world_size": self.world_size,
                 "token_ids": list(ref.token_ids or ()), "cache_salt": ref.cache_salt,
                 "source_tier": "l2", "target_tier": "l1"}
         reply = self._call(res, "POST", "/cache/prefetches", body)
@@ -284,8 +293,16 @@ class LMCacheMPActuator(Actuator):
         return res
 
     def refresh_pins(self) -> ActuationResult:
-        """Re-promote every pinned prefix (idempotent: chunks already in L1 stay; evicted ones reload)."""
-        return self._prefetch("pin_refresh", self.pinned(), Tier.CPU)
+        """Re-promote every pinned prefix (idempotent: chunks already in L1 stay; evicted ones reload).
+        A pinned prefix of another pinned prefix is covered by the longer one's prefetch."""
+        refs = sorted(self.pinned(), key=lambda b: -len(b.token_ids or ()))
+        kept: list[BlockRef] = []
+        for b in refs:
+            t = b.token_ids or ()
+            if not any(k.model == b.model and k.cache_salt == b.cache_salt
+                       and (k.token_ids or ())[: len(t)] == t for k in kept):
+                kept.append(b)
+        return self._prefetch("pin_refresh", kept, Tier.CPU)
 
     def demote(self, blocks: Sequence[BlockRef], to: Tier = Tier.DISK) -> ActuationResult:
         def run(res: ActuationResult, keys: list[ObjectKey]) -> None:

@@ -31,11 +31,21 @@ def build(name: str, **settings: Any) -> Actuator:
     return factory(**settings)
 
 
-def _lmcache_mp(*, url: str, timeout_s: float = 5.0, **kw: Any) -> Actuator:
-    """``url``: the MP server's HTTP address (``--http-host/--http-port``)."""
+def _lmcache_mp(*, url: str, timeout_s: float = 5.0, retries: int = 3, breaker_failures: int = 3,
+                breaker_reset_s: float = 5.0, **kw: Any) -> Actuator:
+    """``url``: the MP server's HTTP address (``--http-host/--http-port``). ``retries``: attempts per
+    request; the circuit breaker opens after ``breaker_failures`` consecutive failures and lets a trial call
+    through after ``breaker_reset_s`` seconds. Other keywords go to :class:`LMCacheMPActuator`
+    (e.g. ``model_name``, ``prefetch_timeout_s``)."""
     from .lmcache_mp import LMCacheMPActuator
+    from .resilience import CircuitBreaker, Resilient, RetryPolicy
 
-    return LMCacheMPActuator(HttpCaller(url, timeout_s=timeout_s), **kw)
+    if retries < 1 or breaker_failures < 1 or breaker_reset_s < 0 or timeout_s <= 0:
+        raise ValueError("lmcache-mp: need retries >= 1, breaker_failures >= 1, breaker_reset_s >= 0, "
+                         f"timeout_s > 0 (got {retries}, {breaker_failures}, {breaker_reset_s}, {timeout_s})")
+    resilient = Resilient(RetryPolicy(max_attempts=retries),
+                          CircuitBreaker(failure_threshold=breaker_failures, reset_timeout_s=breaker_reset_s))
+    return LMCacheMPActuator(HttpCaller(url, timeout_s=timeout_s, resilient=resilient), **kw)
 
 
 def _lmcache_controller(*, url: str, instance_id: str, timeout_s: float = 10.0) -> Actuator:

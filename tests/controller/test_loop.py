@@ -324,13 +324,138 @@ def test_outcomes_keyed_by_layer_keys_are_attributed_per_ref_and_routing_respect
     loop, idx, _, reg, _, clock = make()
     layer = Chunky()
     loop.actuators = [layer]
-    fill_gpu(idx, clock)  # gpu over its watermark -> demote gpu->cpu: cpu is a tier of this layer
+    fill_gpu(idx, clock)  # gpu over its watermark -> demote gpu->cpu: gpu is not a tier of this layer
+    rep = loop.tick()
+    assert rep.outcomes["shadow"] == 2 and layer.calls == []
+    loop, idx, _, reg, _, clock = make()
+    loop.set_policy(loop.policy.model_copy(update={"tiers": [
+        TierConfig(tier=Tier.CPU, capacity_blocks=4, high_watermark=0.75, low_watermark=0.5),
+        TierConfig(tier=Tier.DISK, capacity_blocks=100)]}))
+    loop.actuators = [layer]
+    for i, h in enumerate([11, 12, 13, 14]):  # cpu over its watermark -> demote cpu->disk: both the layer's
+        idx.store(h, None, Tier.CPU, t=(clock.t - 100 + i) * 1000)
     rep = loop.tick()
     assert rep.outcomes["applied"] == 2 and len(layer.calls) == 3  # one batch call, then one per ref
     assert all(d.outcome == "applied" and "chunk" in d.detail for d in loop.decisions.query())
+    # the loop remembers what it moved inside the layer (the index cannot see LMCache's tiers)
+    moved = {d.block for d in loop.decisions.query()}
+    assert {b: bits for b, (_, bits) in loop.layer_residency.items()} == dict.fromkeys(moved, 4)  # disk
     loop2, idx2, _, _, _, clock2 = make()
     loop2.actuators = [Chunky()]
     idx2.store(31, None, Tier.CPU, t=clock2.t * 1000)
     loop2.pins.add(Pin("g", Tier.GPU, [31, 32], clock2.t, token_ids=list(range(64)), block_size=32))
     rep2 = loop2.tick()  # prefetch cpu->gpu and admit of 32: neither can go to a cpu/disk layer
     assert rep2.outcomes["shadow"] == 2 and loop2.actuators[0].calls == []  # type: ignore[attr-defined]
+
+
+def test_emulated_layer_pins_are_refreshed_each_active_tick_and_unpinned_when_the_pin_goes() -> None:
+    """A layer with ``refresh_pins()`` (LMCache MP's emulated pins) gets it once per active tick; deleting the
+    pin makes the loop ``unpin`` it at the layer (else the layer would keep re-loading it forever)."""
+
+    class PinLayer(Recorder):
+        name = "lmcache-mp"
+        token_addressed = True  # the loop calls it ref by ref
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.held: dict[tuple[int, ...], BlockRef] = {}
+            self.refreshes = 0
+
+        def capabilities(self) -> frozenset[Capability]:
+            return frozenset({Capability.PIN, Capability.UNPIN})
+
+        def pin(self, blocks: Sequence[BlockRef], tier: Tier, ttl_s: float | None = None) -> ActuationResult:
+            self.calls.append(("pin", [b.layer_key for b in blocks], tier.value))
+            for b in blocks:
+                self.held[b.token_ids or ()] = b
+            out = [KeyOutcome(f"c{len(b.token_ids or ())}", Outcome.APPLIED) for b in blocks]
+            return ActuationResult(self.name, "pin", out)
+
+        def unpin(self, blocks: Sequence[BlockRef], tier: Tier) -> ActuationResult:
+            self.calls.append(("unpin", [b.layer_key for b in blocks], tier.value))
+            gone = [self.held.pop(b.token_ids or (), None) for b in blocks]
+            return ActuationResult(self.name, "unpin", [KeyOutcome("k", Outcome.APPLIED) for g in gone if g])
+
+        def refresh_pins(self) -> ActuationResult:
+            self.refreshes += 1
+            out = [KeyOutcome("c", Outcome.APPLIED) for _ in self.held]
+            return ActuationResult(self.name, "pin_refresh", out)
+
+    loop, idx, _, reg, _, clock = make()
+    layer = PinLayer()
+    loop.actuators = [layer]
+    for h in (41, 42):
+        idx.store(h, None, Tier.GPU, t=clock.t * 1000)
+    loop.pins.add(Pin("p", Tier.CPU, [41, 42], clock.t, token_ids=list(range(64)), block_size=32))
+    loop.tick()
+    assert [c[0] for c in layer.calls] == ["pin", "pin"] and len(layer.held) == 2 and layer.refreshes == 1
+    assert loop.pinned_at_layer == {41, 42} and all(bits == 2 for _, bits in loop.layer_residency.values())
+    clock.t += 1
+    loop.tick()
+    assert len(layer.calls) == 2 and layer.refreshes == 2  # acked: refresh only
+
+    def sample(action: str) -> float:
+        labels = {"layer": "lmcache-mp", "action": action, "outcome": "applied"}
+        return reg.get_sample_value("kvtier_actuations_total", labels) or 0.0
+
+    assert sample("pin_refresh") == 4.0 and sample("pin") == 2.0
+    loop.pins.remove("p")
+    clock.t += 1
+    loop.tick()
+    assert [c[0] for c in layer.calls] == ["pin", "pin", "unpin"] and layer.held == {}
+    assert loop.pinned_at_layer == set()
+    assert sample("unpin") == 2.0
+    loop.set_policy(loop.policy.model_copy(update={"mode": "shadow"}))
+    loop.tick()
+    assert layer.refreshes == 3  # shadow mode: no refreshes
+
+
+def test_lmcache_mp_breaker_and_retries_are_configurable() -> None:
+    from kvtier.controller.actuators import registry
+
+    act = registry.build("lmcache-mp", url="http://127.0.0.1:9", breaker_reset_s=0.5, breaker_failures=2,
+                         retries=1, model_name="/models/tiny")  # fmt: skip
+    br = act.caller.resilient.breaker  # type: ignore[attr-defined]
+    assert (br.reset_timeout_s, br.failure_threshold) == (0.5, 2)
+    assert act.caller.resilient.retry.max_attempts == 1  # type: ignore[attr-defined]
+    assert act.model_name == "/models/tiny"  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="retries"):
+        registry.build("lmcache-mp", url="http://127.0.0.1:9", retries=0)
+
+
+def test_active_mode_without_a_recreating_actuator_spends_the_budget_on_feasible_moves() -> None:
+    """Admissions (gain = the whole prefill) would crowd a disk -> cpu promote (gain = load-time difference)
+    out of the ops budget although no configured actuator can admit; in active mode they are not planned."""
+    from kvtier.controller.policy_doc import BudgetLimits
+
+    class Layer(Recorder):
+        name = "lmcache-mp"
+
+        def capabilities(self) -> frozenset[Capability]:
+            return frozenset({Capability.PROMOTE})
+
+        def promote(self, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
+            return self._do("promote", blocks, to)
+
+    loop, idx, _, _, _, clock = make()
+    layer = Layer()
+    loop.actuators = [layer]
+    loop.set_policy(loop.policy.model_copy(update={
+        "tiers": [TierConfig(tier=Tier.CPU, capacity_blocks=100, load_bandwidth_bytes_s=2e10),
+                  TierConfig(tier=Tier.DISK, capacity_blocks=100, load_bandwidth_bytes_s=1e9)],
+        "default_budget": BudgetLimits(ops_per_s=2.0, burst_s=1.0)}))  # fmt: skip
+    t = clock.t * 1000
+    idx.store(51, None, Tier.DISK, t=t)
+    gone = list(range(61, 71))
+    for h in gone:  # evicted from the GPU, tokens known: admittable by a warm-up, not by this layer
+        idx.store(h, None, Tier.GPU, t=t)
+        idx.remove(h, Tier.GPU)
+    loop.tokens.add_chain(gone, list(range(32 * len(gone))), 32)
+    rep = loop.tick()
+    assert [(c[0], c[1]) for c in layer.calls] == [("promote", [f"{51:016x}"])], layer.calls
+    assert rep.outcomes["applied"] == 1 and not [d for d in loop.decisions.query() if d.action == "admit"]
+    loop2, idx2, _, _, _, _ = make(mode="shadow")
+    idx2.store(61, None, Tier.GPU, t=t)
+    idx2.remove(61, Tier.GPU)
+    loop2.tokens.add_chain([61], list(range(32)), 32)
+    assert loop2._admits_possible() and loop2.tick().decisions >= 1  # shadow mode still scores admits
