@@ -163,6 +163,8 @@ class ReconcileLoop:
         self._policy_rows: npt.NDArray[np.int64] = np.zeros(0, np.int64)
         self._policy_q: npt.NDArray[np.float64] | None = None  # the policy's P(reuse) for _policy_rows
         self._policy_exc: BaseException | None = None
+        self._policy_seen: npt.NDArray[np.bool_] = np.zeros(0, np.bool_)  # row -> fed to the policy
+        self._policy_seen_of: object = None  # the policy object _policy_seen belongs to
         self._quality_at = -1  # policy retrains count when kvtier_predictor_auc was last set
         self.pinned_at_layer: set[int] = set()
         # block -> (actuator, ref) of pins a layer acknowledged (unpinned there when the pin goes away)
@@ -386,11 +388,17 @@ class ReconcileLoop:
                 if pl.served == 0:
                     return  # nothing feeds the policy (yet): no opinion, the tier plans on the index alone
                 lookup = view.lookup or self.index.slot_of
+                n = len(view)
                 want = pl.desired_mask(view.hashes, lookup)
                 here = (view.tier_mask & np.uint8(tier_bit(pl.tier))) != 0
                 # scored by the policy: the rows its diff moves, and the blocks just requested
-                scored = want ^ here
-                scored[pl.touched_rows(view.hashes, lookup)] = True
+                # the policy can only score blocks it was fed: remember their rows (1 byte per row), so
+                # the observed-but-unwanted rows it never saw are not looked up every tick
+                trows = pl.touched_rows(view.hashes, lookup)
+                seen = self._policy_seen_rows(pl, n)
+                seen[trows] = True
+                scored = (want ^ here) & (want | seen)
+                scored[trows] = True
                 rows = np.flatnonzero(scored)
                 self._policy_rows = rows
                 self._desired = want
@@ -402,6 +410,18 @@ class ReconcileLoop:
         except Exception as exc:  # noqa: BLE001 - a policy bug must not kill the tick
             pl.errors += 1
             self._fallback(rep, "policy", "no_placement", exc)
+
+    def _policy_seen_rows(self, pl: PolicyPlacement, n: int) -> npt.NDArray[np.bool_]:
+        """Per index row: was its block ever fed to the current policy object (reset when it is replaced;
+        a recycled row only costs an extra lookup)."""
+        seen = self._policy_seen
+        if self._policy_seen_of is not pl.policy:
+            self._policy_seen_of = pl.policy
+            seen = np.zeros(n, np.bool_)
+        elif seen.shape[0] < n:
+            seen = np.concatenate([seen, np.zeros(n - seen.shape[0], np.bool_)])
+        self._policy_seen = seen
+        return seen[:n]
 
     def _placement_or_none(self) -> PolicyPlacement | None:
         pl = self.placement

@@ -49,6 +49,7 @@ class PolicyPlacement:
         self.touched: dict[int, int] = {}
         self._victims: list[int] = []  # accumulating for the next window
         self._touched: dict[int, int] = {}
+        self.max_carry = 65_536  # requested blocks not in the index yet, carried between windows
         self.lookup: Callable[[int], int] | None = None  # block -> index row (-1 unknown), set by the loop
         # guards the policy object: the tick (worker thread) and the ingest path (event loop) both use it
         self.lock = threading.Lock()
@@ -117,9 +118,17 @@ class PolicyPlacement:
     def touched_rows(
         self, hashes: npt.NDArray[np.int64], lookup: Callable[[int], int]
     ) -> npt.NDArray[np.int64]:
-        """Index rows of the blocks requested in the last window (unknown / untracked blocks skipped)."""
+        """Index rows of the blocks requested in the last window. Blocks the index does not track yet are
+        carried into the next window (at most ``max_carry``), so each one is resolved once it is stored."""
+        if not self.touched:
+            return np.zeros(0, np.int64)
         rows = _rows(self.touched, hashes, lookup)
-        return rows[(rows >= 0) & (rows < hashes.shape[0])]
+        ok = (rows >= 0) & (rows < hashes.shape[0])
+        if not ok.all():
+            keys = np.fromiter(self.touched.keys(), np.int64, len(self.touched))[~ok]
+            for k in keys[: max(0, self.max_carry - len(self._touched))].tolist():
+                self._touched.setdefault(k, -1)
+        return rows[ok]
 
     def desired_mask(
         self, hashes: npt.NDArray[np.int64], lookup: Callable[[int], int]
