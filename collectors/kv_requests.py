@@ -119,11 +119,12 @@ class RequestInferrer:
         self._pending.append(req)
         self.counts["requests"] += 1
 
-    def drain(self) -> list[Request]:
-        """Queued requests, oldest first (thread-safe against concurrent :meth:`on_events`)."""
+    def drain(self, max_requests: int | None = None) -> list[Request]:
+        """Queued requests, oldest first, at most ``max_requests`` (None = all; thread-safe against
+        concurrent :meth:`on_events`)."""
         out: list[Request] = []
         pop = self._pending.popleft
-        while self._pending:
+        while self._pending and (max_requests is None or len(out) < max_requests):
             try:
                 out.append(pop())
             except IndexError:

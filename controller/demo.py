@@ -142,6 +142,7 @@ class Demo:
                 self.lru.serve(r)
                 if (pl := self.sidecar.plane.loop.placement) is not None:
                     pl.requests.submit(r)  # the loop's own policy object sees the same request stream
+                    pl.feed()  # served as it arrives (bounded, skipped while a tick holds the policy)
                 self.served += 1
                 n += 1
             self.learned.publish()

@@ -161,6 +161,10 @@ class ReconcileLoop:
         self.placement = placement
         self._desired: npt.NDArray[np.bool_] | None = None
         self._policy_rows: npt.NDArray[np.int64] = np.zeros(0, np.int64)
+        self._policy_q: npt.NDArray[np.float64] | None = None  # the policy's P(reuse) for _policy_rows
+        self._policy_exc: BaseException | None = None
+        self._policy_seen: npt.NDArray[np.bool_] = np.zeros(0, np.bool_)  # row -> fed to the policy
+        self._policy_seen_of: object = None  # the policy object _policy_seen belongs to
         self._quality_at = -1  # policy retrains count when kvtier_predictor_auc was last set
         self.pinned_at_layer: set[int] = set()
         # block -> (actuator, ref) of pins a layer acknowledged (unpinned there when the pin goes away)
@@ -277,7 +281,8 @@ class ReconcileLoop:
             pl = self._placement_or_none()
             if pl is not None:  # observe only: the policy keeps learning from the traffic
                 try:
-                    pl.observe()
+                    with pl.lock:
+                        pl.observe()
                 except Exception as exc:  # noqa: BLE001
                     pl.errors += 1
                     self._fallback(rep, "policy", "no_placement", exc)
@@ -291,7 +296,7 @@ class ReconcileLoop:
             except Exception as exc:  # noqa: BLE001
                 self._fallback(rep, "observe", "no_action", exc)
                 return
-            self._observe_policy(view, rep)
+            self._observe_policy(view, rep, now)
         with self._phase("predict"):
             p = self._predict(n, now, rep)
             if p is None:
@@ -364,32 +369,59 @@ class ReconcileLoop:
         )
         return view, n
 
-    def _observe_policy(self, view: BlockView, rep: TickReport) -> None:
-        """Feed the requests inferred since the last tick to the placement policy; take its resident set
-        as the desired placement of its tier. A failing policy: no desired placement this tick (counted)."""
+    def _observe_policy(self, view: BlockView, rep: TickReport, now: float) -> None:
+        """Take the placement policy's resident set as the desired placement of its tier. The policy is fed
+        as requests arrive (:meth:`PolicyPlacement.feed`); here only the still-queued rest is served. The
+        policy's P(reuse) for the rows it cares about is taken under the same lock (a consistent snapshot).
+        A failing policy: no desired placement this tick (counted)."""
         pl = self._placement_or_none()
         self._desired = None
         self._policy_rows = np.zeros(0, np.int64)
+        self._policy_q = None
+        self._policy_exc = None
         if pl is None:
             return
         try:
             self._fault("policy")
-            reqs = pl.observe()
-            if pl.served == 0:
-                return  # nothing feeds the policy (yet): no opinion, the tier plans on the index alone
-            lookup = view.lookup or self.index.slot_of
-            n = len(view)
-            want = pl.desired_mask(view.hashes, lookup)
-            touched = {b for r in reqs for b in r.hash_ids.tolist()}
-            trows = np.fromiter((lookup(b) for b in touched), np.int64, len(touched))
-            here = (view.tier_mask & np.uint8(tier_bit(pl.tier))) != 0
-            # scored by the policy: the rows its diff moves, and the blocks just requested
-            rows = np.concatenate([np.flatnonzero(want ^ here), trows[(trows >= 0) & (trows < n)]])
-            self._policy_rows = np.unique(rows)
-            self._desired = want
+            with pl.lock:
+                pl.observe()
+                if pl.served == 0:
+                    return  # nothing feeds the policy (yet): no opinion, the tier plans on the index alone
+                lookup = view.lookup or self.index.slot_of
+                n = len(view)
+                want = pl.desired_mask(view.hashes, lookup)
+                here = (view.tier_mask & np.uint8(tier_bit(pl.tier))) != 0
+                # scored by the policy: the rows its diff moves, and the blocks just requested
+                # the policy can only score blocks it was fed: remember their rows (1 byte per row), so
+                # the observed-but-unwanted rows it never saw are not looked up every tick
+                trows = pl.touched_rows(view.hashes, lookup)
+                seen = self._policy_seen_rows(pl, n)
+                seen[trows] = True
+                scored = (want ^ here) & (want | seen)
+                scored[trows] = True
+                rows = np.flatnonzero(scored)
+                self._policy_rows = rows
+                self._desired = want
+                if rows.size:
+                    try:
+                        self._policy_q = pl.reuse_probability(view.hashes[rows], now * 1000.0)
+                    except Exception as exc:  # noqa: BLE001 - reported as a predict fallback
+                        self._policy_exc = exc
         except Exception as exc:  # noqa: BLE001 - a policy bug must not kill the tick
             pl.errors += 1
             self._fallback(rep, "policy", "no_placement", exc)
+
+    def _policy_seen_rows(self, pl: PolicyPlacement, n: int) -> npt.NDArray[np.bool_]:
+        """Per index row: was its block ever fed to the current policy object (reset when it is replaced;
+        a recycled row only costs an extra lookup)."""
+        seen = self._policy_seen
+        if self._policy_seen_of is not pl.policy:
+            self._policy_seen_of = pl.policy
+            seen = np.zeros(n, np.bool_)
+        elif seen.shape[0] < n:
+            seen = np.concatenate([seen, np.zeros(n - seen.shape[0], np.bool_)])
+        self._policy_seen = seen
+        return seen[:n]
 
     def _placement_or_none(self) -> PolicyPlacement | None:
         pl = self.placement
@@ -404,11 +436,10 @@ class ReconcileLoop:
         rows = self._policy_rows
         if pl is None or rows.size == 0:
             return p
-        try:
-            q = pl.reuse_probability(self.index.hash[rows], now * 1000.0)
-        except Exception as exc:  # noqa: BLE001
-            self._fallback(rep, "predict", rep.predictor or "heuristic", exc)
+        if self._policy_exc is not None:
+            self._fallback(rep, "predict", rep.predictor or "heuristic", self._policy_exc)
             return p
+        q = self._policy_q
         if q is None:
             return p
         ok = np.isfinite(q)
@@ -744,12 +775,23 @@ class ReconcileLoop:
                 self.errors["timeout"] += 1
                 log.warning("tick timed out after %.1f s", self.policy.tick_timeout_s)
             wait = max(min_interval_s, self.policy.tick_interval_s - (time.monotonic() - started))
+            await self._feed_backlog(started + wait)
+            wait = max(0.0, started + wait - time.monotonic())
             waker = asyncio.ensure_future(self._wake.wait())
             stopper = asyncio.ensure_future(stop.wait())
             await asyncio.wait({waker, stopper}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
             for f in (waker, stopper):
                 f.cancel()
             self._wake.clear()
+
+    async def _feed_backlog(self, deadline: float, chunk: int = 16) -> None:
+        """Between ticks: serve requests the ingest path left queued (it is bounded per batch), in small
+        chunks that yield to the event loop, until the queue is empty or ``deadline`` (monotonic s)."""
+        pl = self.placement
+        while pl is not None and len(pl.requests) and time.monotonic() < deadline:
+            if pl.feed(chunk) == 0:
+                break
+            await asyncio.sleep(0)
 
     def status(self) -> dict[str, Any]:
         return {

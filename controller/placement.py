@@ -1,9 +1,12 @@
 """The configured placement :class:`~kvtier.policies.base.Policy` inside the live loop (``--policy NAME``).
 
-The same objects replay drives: the loop's observe phase feeds every request inferred since the last tick
+The same objects replay drives: every inferred request
 (:class:`~kvtier.collectors.kv_requests.RequestInferrer`: KV events, or trace requests in shadow replay)
-to ``policy.access`` in arrival order and drains ``drain_evicted()`` after each one, exactly like
-:func:`kvtier.replay.engine.replay`. The policy manages one tier (default ``cpu``, the DRAM tier below the
+goes to ``policy.access`` in arrival order, with ``drain_evicted()`` after each one, exactly like
+:func:`kvtier.replay.engine.replay`. Feeding is off the tick's critical path: :meth:`PolicyPlacement.feed`
+runs as requests arrive (ingest path, bounded per call, never waiting for a running tick); the tick's
+:meth:`PolicyPlacement.observe` only feeds what is still queued (normally nothing) and takes the changes
+accumulated since the last tick. The policy manages one tier (default ``cpu``, the DRAM tier below the
 GPU, capacity from the policy document's tiers). Its resident set is the *desired placement* of that tier:
 the planner diffs it against the index (admit/promote what the policy holds, evict/demote what it dropped).
 P(reuse) comes from ``policy.reuse_probability`` when it has one (``learned``); NaN = cannot score, the
@@ -13,6 +16,7 @@ loop's index-trained / heuristic predictor fills in.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.collectors.kv_requests import RequestInferrer
-from kvtier.policies.base import Policy, Request
+from kvtier.policies.base import Policy
 from kvtier.policies.registry import get_policy
 from kvtier.policies.tiers import Tier
 
@@ -40,7 +44,15 @@ class PolicyPlacement:
             raise ValueError(f"policy {name!r} needs the future (replay only); pick an online policy")
         self.requests = inferrer if inferrer is not None else RequestInferrer()
         self.desired: dict[int, int] = {}  # int64 block held by the policy -> index row (cached; -1 unknown)
-        self.victims: list[int] = []  # drained evictions of the last observe, oldest first
+        # the last observe window: evictions drained (oldest first) / blocks requested -> row (-1 unknown)
+        self.victims: list[int] = []
+        self.touched: dict[int, int] = {}
+        self._victims: list[int] = []  # accumulating for the next window
+        self._touched: dict[int, int] = {}
+        self.max_carry = 65_536  # requested blocks not in the index yet, carried between windows
+        self.lookup: Callable[[int], int] | None = None  # block -> index row (-1 unknown), set by the loop
+        # guards the policy object: the tick (worker thread) and the ingest path (event loop) both use it
+        self.lock = threading.Lock()
         self.served = 0  # requests served
         self.block_accesses = 0
         self.block_hits = 0  # blocks resident in the policy's tier when requested
@@ -56,27 +68,67 @@ class PolicyPlacement:
             return
         log.warning("placement tier %s resized %d -> %d blocks: policy %s restarts empty",
                     self.tier.value, self.policy.capacity_blocks, capacity_blocks, self.name)  # fmt: skip
-        self.policy = get_policy(self.name, capacity_blocks, seed=self.seed)
-        self.desired.clear()
+        with self.lock:
+            self.policy = get_policy(self.name, capacity_blocks, seed=self.seed)
+            self.desired.clear()
 
-    def observe(self) -> list[Request]:
-        """Serve every queued request through the policy (arrival order); update the desired set."""
-        reqs = self.requests.drain()
-        self.victims = []
-        pol, desired = self.policy, self.desired
-        for req in reqs:
+    def feed(self, max_requests: int | None = 64, *, blocking: bool = False) -> int:
+        """Serve up to ``max_requests`` queued requests (None = all) through the policy, in arrival order;
+        update the desired set. Non-blocking by default: returns 0 at once while a tick holds the policy
+        (the requests stay queued). Returns the number of requests served."""
+        if not self.lock.acquire(blocking=blocking):
+            return 0
+        try:
+            return self._feed(max_requests)
+        finally:
+            self.lock.release()
+
+    def _feed(self, max_requests: int | None) -> int:
+        pol, desired, touched, lookup = self.policy, self.desired, self._touched, self.lookup
+        done = 0
+        while max_requests is None or done < max_requests:
+            got = self.requests.drain(1)
+            if not got:
+                break
+            req = got[0]
             hit = pol.access(req)
             self.block_accesses += int(hit.shape[0])
             self.block_hits += int(np.count_nonzero(hit))
             ev = pol.drain_evicted()
             for v in ev:
                 desired.pop(v, None)
-            self.victims.extend(ev)
+            self._victims.extend(ev)
             for b in req.hash_ids.tolist():
+                if b not in touched:
+                    touched[b] = lookup(b) if lookup is not None else -1
                 if b not in desired and pol.contains(b):
-                    desired[b] = -1
+                    desired[b] = touched[b]
             self.served += 1
-        return reqs
+            done += 1
+        return done
+
+    def observe(self) -> None:
+        """Tick side (call with :attr:`lock` held): serve whatever is still queued, then start a new
+        accumulation window. :attr:`touched` / :attr:`victims` then hold the blocks requested / evicted
+        since the previous observe, :attr:`desired` the policy's resident set now."""
+        self._feed(None)
+        self.touched, self._touched = self._touched, {}
+        self.victims, self._victims = self._victims, []
+
+    def touched_rows(
+        self, hashes: npt.NDArray[np.int64], lookup: Callable[[int], int]
+    ) -> npt.NDArray[np.int64]:
+        """Index rows of the blocks requested in the last window. Blocks the index does not track yet are
+        carried into the next window (at most ``max_carry``), so each one is resolved once it is stored."""
+        if not self.touched:
+            return np.zeros(0, np.int64)
+        rows = _rows(self.touched, hashes, lookup)
+        ok = (rows >= 0) & (rows < hashes.shape[0])
+        if not ok.all():
+            keys = np.fromiter(self.touched.keys(), np.int64, len(self.touched))[~ok]
+            for k in keys[: max(0, self.max_carry - len(self._touched))].tolist():
+                self._touched.setdefault(k, -1)
+        return rows[ok]
 
     def desired_mask(
         self, hashes: npt.NDArray[np.int64], lookup: Callable[[int], int]
@@ -86,20 +138,10 @@ class PolicyPlacement:
         only when stale. Blocks the index does not track cannot be placed: skipped."""
         n = hashes.shape[0]
         mask = np.zeros(n, np.bool_)
-        d = self.desired
-        if not d:
+        if not self.desired:
             return mask
-        keys = np.fromiter(d.keys(), np.int64, len(d))
-        rows = np.fromiter(d.values(), np.int64, len(d))
-        ok = (rows >= 0) & (rows < n)
-        ok[ok] = hashes[rows[ok]] == keys[ok]
-        for j in np.flatnonzero(~ok).tolist():
-            k = int(keys[j])
-            r = lookup(k)
-            d[k] = r
-            rows[j] = r
-        rows = rows[(rows >= 0) & (rows < n)]
-        mask[rows] = True
+        rows = _rows(self.desired, hashes, lookup)
+        mask[rows[(rows >= 0) & (rows < n)]] = True
         return mask
 
     def reuse_probability(
@@ -118,7 +160,10 @@ class PolicyPlacement:
     def retrain(self) -> bool:
         """Refit the policy's own model now (``learned``); False when it has none or too few labels."""
         fn = getattr(self.policy, "retrain", None)
-        return bool(fn()) if fn is not None else False
+        if fn is None:
+            return False
+        with self.lock:
+            return bool(fn())
 
     def info(self) -> dict[str, Any]:
         return {
@@ -133,3 +178,21 @@ class PolicyPlacement:
             "inferred": dict(self.requests.counts),
             "errors": self.errors,
         }
+
+
+def _rows(
+    d: dict[int, int], hashes: npt.NDArray[np.int64], lookup: Callable[[int], int]
+) -> npt.NDArray[np.int64]:
+    """Rows of ``d``'s blocks (``d``: block -> cached row); stale or unknown rows are looked up again and
+    cached. -1 = the index does not track the block."""
+    n = hashes.shape[0]
+    keys = np.fromiter(d.keys(), np.int64, len(d))
+    rows = np.fromiter(d.values(), np.int64, len(d))
+    ok = (rows >= 0) & (rows < n)
+    ok[ok] = hashes[rows[ok]] == keys[ok]
+    for j in np.flatnonzero(~ok).tolist():
+        k = int(keys[j])
+        r = lookup(k)
+        d[k] = r
+        rows[j] = r
+    return rows

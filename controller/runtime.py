@@ -198,9 +198,11 @@ def make_placement(
     cap = next((c.capacity_blocks for c in doc.tiers if c.tier is t), 0)
     inferrer = RequestInferrer(clock=clock, block_size_tokens=doc.block_size_tokens)
     try:
-        return PolicyPlacement(name, cap, tier=t, seed=doc.predictor.seed, inferrer=inferrer)
+        pl = PolicyPlacement(name, cap, tier=t, seed=doc.predictor.seed, inferrer=inferrer)
     except KeyError as exc:
         raise ValueError(f"--policy: {exc.args[0]}") from exc
+    pl.lookup = loop.index.slot_of
+    return pl
 
 
 def create_control_app(plane: ControlPlane, registry: CollectorRegistry) -> FastAPI:

@@ -80,6 +80,7 @@ def run_shadow_replay(
         now[0] = t
         if loop.placement is not None:
             loop.placement.requests.submit(req)
+            loop.placement.feed(None)  # as it arrives (off the tick's path), like the ingest hook
         ids = req.hash_ids.tolist()
         idx.access_chain(ids, req.timestamp_ms)
         parent: int | None = None

@@ -17,6 +17,7 @@ used. Refit every ``retrain_every`` requests on a bounded seeded sample. Pure, n
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any, cast
 
 import numpy as np
@@ -368,7 +369,7 @@ class LearnedPolicy(Policy):
         if ids.size == 0:
             return out
         get = self._slot.get
-        slots = np.fromiter((get(b, -1) for b in ids.tolist()), _I64, ids.shape[0])
+        slots = np.fromiter(map(get, ids.tolist(), repeat(-1)), _I64, ids.shape[0])
         ev = np.where(slots >= 0, self._last_event[np.maximum(slots, 0)], -1)
         ok = (ev >= 0) & (ev > self._n_events - self._E)
         if not ok.any():

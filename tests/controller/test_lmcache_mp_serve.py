@@ -106,6 +106,8 @@ class Stack:
         })  # fmt: skip
         cmd = [sys.executable, "-m", "kvtier", "serve", "--engine-url", self.vllm.url,
                "--lmcache-url", self.mp.url, "--mode", "active", "--actuator", "lmcache-mp",
+               # the moves under test are driven by pins and tier capacities, not a placement policy
+               "--policy", "none",
                "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.work / "state")]
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -243,7 +245,7 @@ def test_pin_to_cpu_keeps_the_prefix_in_l1_under_pressure(stack: Stack) -> None:
     # pressure: distinct prompts until LMCache's L1 evicted more than its whole capacity
     ev0 = scrape_sum(stack.mp.url, "lmcache_mp_l1_evicted_chunks_total")
     sent = 0
-    while scrape_sum(stack.mp.url, "lmcache_mp_l1_evicted_chunks_total") - ev0 < 100 and sent < 40:
+    while scrape_sum(stack.mp.url, "lmcache_mp_l1_evicted_chunks_total") - ev0 < 100 and sent < 80:
         stack.filler += 1
         stack.complete(text(stack.filler, 150))
         sent += 1

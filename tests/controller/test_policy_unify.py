@@ -142,6 +142,7 @@ def live_decisions(
         clock.t = ts / 1000.0
         ing.apply("engine", decode_frames(eng.frames(clock.t, chain)))
         ing.flush()  # as the subscriber does after each socket drain
+        assert loop.placement is not None and len(loop.placement.requests) == 0  # fed on arrival
         rep = loop.tick()
         assert rep.outcome == "ok" and not rep.fallbacks, rep.to_dict()
         moves = rep.plan.moves if rep.plan else []
@@ -166,6 +167,35 @@ def test_live_loop_matches_replay_on_handmade_trace(tmp_path: Path, name: str) -
     pl = plane.loop.placement
     assert pl is not None and pl.policy.name == name and pl.served == len(reqs)
     assert pl.requests.counts["dropped"] == 0
+
+
+def test_ingest_feeding_never_waits_for_a_tick_and_the_tick_serves_the_rest(tmp_path: Path) -> None:
+    """While a tick holds the policy the ingest path leaves requests queued; the next tick serves them (same
+    decisions as feeding them on arrival: the handmade trace, two requests per tick)."""
+    chains = handmade()
+    want = replay_decisions("lru", 9, as_events_trace(chains), seed=7)
+    plane, ing, clock, _ = live_plane(tmp_path, "lru", 9, 7, chains[0][0] / 1000.0)
+    pl, eng, loop = plane.loop.placement, Engine(), plane.loop
+    assert pl is not None
+    adm_all: set[int] = set()
+    for i, (ts, chain) in enumerate(chains):
+        clock.t = ts / 1000.0
+        if i % 2 == 0:
+            with pl.lock:  # a tick in progress
+                ing.apply("engine", decode_frames(eng.frames(clock.t, chain)))
+                ing.flush()
+            assert len(pl.requests) == 1 and pl.served == i
+            continue
+        ing.apply("engine", decode_frames(eng.frames(clock.t, chain)))  # feeds both, in arrival order
+        ing.flush()
+        assert len(pl.requests) == 0 and pl.served == i + 1
+        rep = loop.tick()
+        assert rep.outcome == "ok" and rep.plan is not None
+        adm_all |= {m.block for m in rep.plan.moves if m.dst is Tier.CPU}
+    resident: set[int] = set()
+    for a, e in want:
+        resident = (resident | a) - e
+    assert resident <= adm_all and {b for b in pl.desired} == resident
 
 
 def test_live_learned_matches_replay_through_retrains_and_reports_quality(tmp_path: Path) -> None:
