@@ -70,8 +70,3 @@ class LMCacheControllerCollector(HttpPeerCollector[ControllerRaw, LMCacheControl
 
     def parse(self, raw: ControllerRaw, now: float) -> LMCacheControllerSample:
         return parse_controller(raw.key_stats, raw.workers, collector=self.name, now=now)
-
-    def status(self) -> dict[str, Any]:
-        out = super().status()
-        out["url"] = self.base_url
-        return out

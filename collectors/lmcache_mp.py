@@ -135,8 +135,3 @@ class LMCacheMPCollector(HttpPeerCollector[LMCacheMPRaw, LMCacheMPSample]):
         if obs.broken_blocks:
             self.count_error("metrics_text", f"{obs.broken_blocks} broken blocks skipped")
         return obs
-
-    def status(self) -> dict[str, Any]:
-        out = super().status()
-        out["url"] = self.base_url
-        return out

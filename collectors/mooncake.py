@@ -157,8 +157,3 @@ class MooncakeCollector(HttpPeerCollector[MooncakeRaw, MooncakeSample]):
         if obs.broken_blocks:
             self.count_error("metrics_text", f"{obs.broken_blocks} broken blocks skipped")
         return obs
-
-    def status(self) -> dict[str, Any]:
-        out = super().status()
-        out["url"] = self.base_url
-        return out

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry, Gauge
@@ -309,10 +308,6 @@ class VllmMetricsCollector(HttpCollector[VllmMetricsObservation]):
         if obs.broken_blocks:
             self.count_error("metrics_text", f"{obs.broken_blocks} unparsable block(s) in /metrics skipped")
         return obs
-
-    def status(self) -> dict[str, Any]:
-        out = super().status()
-        return out
 
 
 _fam_gauges: dict[int, Gauge] = {}
