@@ -52,6 +52,14 @@ class Rig:
         r.raise_for_status()
         return dict(r.json())
 
+    def wait_l2(self, keys: list[Any], timeout_s: float = 30.0) -> None:
+        """Poll until every key's L2 file exists: LMCache writes L2 behind the response (write-behind)."""
+        from tests.peers.sidecar import wait_for
+
+        names = {k.fs_filename() for k in keys}
+        wait_for(lambda: names <= {f.name for f in self.server.l2_dir.iterdir()}, timeout_s,
+                 f"{len(names)} L2 files in {self.server.l2_dir}")
+
     def tokens(self, prompt: str) -> list[int]:
         r = httpx.post(self.vllm.url + "/tokenize", json={"model": "tiny", "prompt": prompt}, timeout=30)
         return list(r.json()["tokens"])
@@ -93,8 +101,7 @@ def test_client_side_keys_match_live_l2_files(rig: Rig) -> None:
     rig.complete(p)
     keys = object_keys(rig.vllm.model_path, toks, rig.act.chunk_size())
     assert len(keys) == len(toks) // 64 >= 4
-    files = {f.name for f in rig.server.l2_dir.iterdir()}
-    assert {k.fs_filename() for k in keys} <= files
+    rig.wait_l2(keys)  # fails at the deadline if client-side names never match a live file
 
 
 def test_kvtier_moves_change_where_vllms_next_hit_comes_from(rig: Rig) -> None:
@@ -112,6 +119,7 @@ def test_kvtier_moves_change_where_vllms_next_hit_comes_from(rig: Rig) -> None:
     assert d["l1"] == n_chunk_tokens and d["l2"] == 0 and d["ext"] == n_chunk_tokens
 
     rig.flush_vllm()
+    rig.wait_l2(rig.act.keys_for(ref))
     res = rig.act.demote([ref], Tier.DISK)
     assert res.count(Outcome.APPLIED) == n_keys, res
     FIGURES.append({"move": "demote cpu->disk", "applied": res.count(Outcome.APPLIED)})
@@ -144,6 +152,7 @@ def test_demote_never_deletes_the_last_copy(rig: Rig) -> None:
     rig.complete(q)  # now in L1 and L2
     ref = BlockRef(model=rig.vllm.model_path, token_ids=tuple(toks))
     keys = rig.act.keys_for(ref)
+    rig.wait_l2(keys)
     # drop only the L2 copies: L1 now holds the last copy
     res = rig.act.evict([ref], Tier.DISK)
     assert res.count(Outcome.APPLIED) == len(keys)
