@@ -309,6 +309,7 @@ class ReconcileLoop:
                 p,
                 self._admittable(view, p),
                 view.lookup,
+                view.lookup_many,
             )
         with self._phase("plan"):
             try:
@@ -366,6 +367,7 @@ class ReconcileLoop:
             p_reuse=np.zeros(n, np.float32),
             admittable=np.zeros(n, np.bool_),
             lookup=idx.slot_of,
+            lookup_many=getattr(idx, "slots_of_keys", None),
         )
         return view, n
 
@@ -389,7 +391,7 @@ class ReconcileLoop:
                     return  # nothing feeds the policy (yet): no opinion, the tier plans on the index alone
                 lookup = view.lookup or self.index.slot_of
                 n = len(view)
-                want = pl.desired_mask(view.hashes, lookup)
+                want = pl.desired_mask(view.hashes, lookup, getattr(self.index, "epoch", None))
                 here = (view.tier_mask & np.uint8(tier_bit(pl.tier))) != 0
                 # scored by the policy: the rows its diff moves, and the blocks just requested
                 # the policy can only score blocks it was fed: remember their rows (1 byte per row), so
@@ -404,7 +406,7 @@ class ReconcileLoop:
                 self._desired = want
                 if rows.size:
                     try:
-                        self._policy_q = pl.reuse_probability(view.hashes[rows], now * 1000.0)
+                        self._policy_q = pl.reuse_probability(view.hashes[rows], now * 1000.0, rows)
                     except Exception as exc:  # noqa: BLE001 - reported as a predict fallback
                         self._policy_exc = exc
         except Exception as exc:  # noqa: BLE001 - a policy bug must not kill the tick

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 import numpy.typing as npt
@@ -138,6 +139,12 @@ class BlockIndex:
         """Allocated slots."""
         return int(self.hash.shape[0])
 
+    @property
+    def epoch(self) -> int:
+        """Changes whenever a slot is dropped (and may be reused for another hash): a cached hash -> slot
+        mapping taken under the same epoch is still valid."""
+        return self.reclaimed
+
     def nbytes_per_block(self) -> float:
         """Approximate memory per tracked block (arrays per allocated slot + the hash map), bytes."""
         arrays = sum(getattr(self, f).nbytes for f in self._FIELDS)
@@ -158,6 +165,10 @@ class BlockIndex:
         """Slots of many hashes (-1 for untracked)."""
         get = self._slot.get
         return np.fromiter((get(to_key(h), -1) for h in hashes), dtype=np.int64)
+
+    def slots_of_keys(self, keys: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Slots of int64 keys (already folded, e.g. taken from :attr:`hash`), -1 for untracked."""
+        return np.fromiter(map(self._slot.get, keys.tolist(), repeat(-1)), np.int64, keys.shape[0])
 
     def _new_slot(self, key: int) -> int:
         if self._free:

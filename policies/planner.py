@@ -121,9 +121,15 @@ class BlockView:
     p_reuse: npt.NDArray[np.float32]
     admittable: npt.NDArray[np.bool_]
     lookup: Callable[[int], int] | None = None  # block -> row (-1 if absent); faster than a scan
+    # vectorised ``lookup`` of int64 block keys (-1 where absent); preferred when set
+    lookup_many: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.int64]] | None = None
 
     def rows_all(self, blocks: Collection[int]) -> npt.NDArray[np.int64]:
         """Row of each block, -1 where absent (aligned with ``blocks``)."""
+        if self.lookup_many is not None:
+            if isinstance(blocks, np.ndarray):
+                return self.lookup_many(blocks.astype(np.int64, copy=False))
+            return self.lookup_many(np.fromiter(blocks, np.int64, len(blocks)))
         if self.lookup is not None:
             get = self.lookup
             return np.fromiter((get(b) for b in blocks), np.int64, len(blocks))
@@ -140,6 +146,9 @@ class BlockView:
         """Rows of the given blocks that are in the view (absent ones dropped)."""
         if not blocks:
             return np.zeros(0, np.int64)
+        if self.lookup_many is not None:
+            rows = self.lookup_many(np.fromiter(blocks, np.int64, len(blocks)))
+            return rows[rows >= 0]
         if self.lookup is not None:
             get = self.lookup
             rows = np.fromiter((get(b) for b in blocks), np.int64, len(blocks))
@@ -257,16 +266,21 @@ class Planner:
         mask = view.tier_mask
         recent = np.zeros(n, np.bool_)
         horizon = now_s - self.config.hysteresis_s
-        live = [(k, v[2], v[3]) for k, v in self._last_move.items() if v[0] > horizon]
-        if not live:
+        lm = self._last_move
+        if not lm:
             return recent, mask
-        keys = [k for k, _, _ in live]
+        vals = list(lm.values())
+        at = np.fromiter((v[0] for v in vals), np.float64, len(vals))
+        live = at > horizon
+        if not live.any():
+            return recent, mask
+        keys = np.fromiter(lm.keys(), np.int64, len(vals))[live]
         rows = view.rows_all(keys)
         ok = rows >= 0
         if not ok.any():
             return recent, mask
-        clear = np.fromiter((c for _, c, _ in live), np.uint8, len(live))[ok]
-        put = np.fromiter((p for _, _, p in live), np.uint8, len(live))[ok]
+        clear = np.fromiter((v[2] for v in vals), np.uint8, len(vals))[live][ok]
+        put = np.fromiter((v[3] for v in vals), np.uint8, len(vals))[live][ok]
         rows = rows[ok]
         recent[rows] = True
         mask = mask.copy()

@@ -77,11 +77,11 @@ class SlotMap:
                 return v
             i = (i + 1) & m
 
-    def get_list(self, keys: list[int]) -> list[int]:
-        """Values of a short list of keys (-1 where absent): scalar probing for up to _SCALAR_MAX keys, where
-        it beats the vectorised path's fixed per-call cost."""
+    def get_list(self, keys: list[int], default: int = -1) -> list[int]:
+        """Values of a list of keys (``default`` where absent): scalar probing for up to ``_SCALAR_MAX``
+        keys, where it beats the vectorised path's fixed per-call cost."""
         if len(keys) > _SCALAR_MAX:
-            return self.get_many(np.asarray(keys, dtype=np.int64)).tolist()
+            return self.get_many(np.asarray(keys, dtype=np.int64), default).tolist()
         mv, m, shift = self._mv, self._mask, self._shift
         out: list[int] = []
         put = out.append
@@ -90,7 +90,7 @@ class SlotMap:
             while True:
                 v = mv[2 * i + 1]
                 if v == EMPTY:
-                    put(-1)
+                    put(default)
                     break
                 if mv[2 * i] == k:
                     put(v)
@@ -219,6 +219,8 @@ class SlotMap:
     def get_many(self, keys: npt.ArrayLike, default: int = -1) -> npt.NDArray[np.int64]:
         """Values of ``keys`` (int64 array), ``default`` where absent."""
         k = np.ascontiguousarray(keys, dtype=np.int64).ravel()
+        if k.shape[0] <= _SCALAR_MAX:
+            return np.array(self.get_list(k.tolist(), default), dtype=np.int64)
         b = self._find(k)
         out = np.full(k.shape[0], default, dtype=np.int64)
         ok = b >= 0
@@ -286,7 +288,6 @@ class SlotMap:
         """(keys, values) of all entries (table order)."""
         live = self._vals != EMPTY
         return self._keys[live], self._vals[live]
-
 
 
 class LogitCache:

@@ -40,7 +40,7 @@ def test_slotmap_matches_a_dict_on_random_operations(seed: int) -> None:
             size = int(rng.choice([3, 30, 300, 900]))
             ks = pool[rng.integers(0, pool.size, size=size)]
             assert sm.get_many(ks, -3).tolist() == [d.get(a, -3) for a in ks.tolist()]
-            assert sm.get_list(ks.tolist()) == [d.get(a, -1) for a in ks.tolist()]
+            assert sm.get_list(ks.tolist(), -4) == [d.get(a, -4) for a in ks.tolist()]
         else:
             ks = pool[rng.integers(0, pool.size, size=int(rng.integers(0, 20)))].tolist()
             vs = rng.integers(0, 50, size=len(ks)).tolist()
