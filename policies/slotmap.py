@@ -11,7 +11,7 @@ Pure, no I/O; deterministic (no per-process hash seed).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 
 import numpy as np
 import numpy.typing as npt
@@ -97,6 +97,10 @@ class SlotMap:
                     break
                 i = (i + 1) & m
         return out
+
+    def __iter__(self) -> Iterator[int]:
+        """Keys (table order; a snapshot)."""
+        return iter(self.items()[0].tolist())
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, int) and self.get(key, EMPTY) != EMPTY
