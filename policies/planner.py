@@ -345,9 +345,14 @@ class Planner:
 
         def val(rows: npt.NDArray[np.intp], rank: int | npt.NDArray[np.int8]) -> npt.NDArray[np.float64]:
             """v at tier ``rank`` for ``rows`` (rank 4 = not resident: 0)."""
-            p = view.p_reuse[rows].astype(np.float64)
-            saved = view.tokens[rows].astype(np.float64) * cfg.prefill_s_per_token
-            out = p * (saved - view.nbytes[rows].astype(np.float64) / bw[rank])
+            # p * (tokens * prefill_s_per_token - nbytes / bw), in place (same operations, same rounding)
+            out = view.p_reuse.take(rows).astype(np.float64)
+            saved = view.tokens.take(rows).astype(np.float64)
+            saved *= cfg.prefill_s_per_token
+            load = view.nbytes.take(rows).astype(np.float64)
+            load /= bw[rank]
+            saved -= load
+            out *= saved
             if not isinstance(rank, int):
                 out[rank == len(TIER_ORDER)] = 0.0
             elif rank == len(TIER_ORDER):
@@ -510,12 +515,21 @@ class Planner:
                 keep[j] = pins.get(int(view.hashes[shed[j]]), Tier.REMOTE).rank >= spec.tier.rank
             plan.held["pinned"] += int(keep.sum())
             shed = shed[~keep]
+        fill = np.flatnonzero(want & ~here & ~pinned_rows)
+        bounds = None
+        if max(shed.size, fill.size) > 8 * k_max:
+            bounds = _ValueBounds(view, self._bw_by_rank(), self.config.prefill_s_per_token)
         if shed.size:
-            v_here = val(shed, spec.tier.rank)
+            rank = spec.tier.rank
             if shed.size > k_max:
                 self._beyond(plan, "evict", shed.size - k_max)
+                if bounds is not None:  # only rows that can be among the k_max lowest values (exact)
+                    shed = bounds.lowest_candidates(shed, k_max, rank, lambda r: val(r, rank))
+                v_here = val(shed, rank)
                 take = _smallest(v_here, k_max)
                 shed, v_here = shed[take], v_here[take]
+            else:
+                v_here = val(shed, rank)
             nxt = specs[i + 1].tier if i + 1 < len(specs) else None
             v_next = val(shed, nxt.rank) if nxt is not None else np.zeros(shed.size)
             other = tier_mask[shed] & ~np.uint8(bit)
@@ -530,13 +544,19 @@ class Planner:
                     continue
                 out.append((1, -m.value_s, m))
         # add what it holds: promote from a slower copy, else admit (stored from the engine / recomputed)
-        fill = np.flatnonzero(want & ~here & ~pinned_rows)
+        want_fill = fill.size
         if fill.size:
-            slower = tier_mask[fill] & np.uint8(~((bit << 1) - 1) & 0xFF)
-            src_rank = _FIRST_RANK[slower]
+            slower_bits = np.uint8(~((bit << 1) - 1) & 0xFF)
+
+            def gain_of(rows: npt.NDArray[np.intp]) -> npt.NDArray[np.float64]:
+                return val(rows, spec.tier.rank) - val(rows, _FIRST_RANK[tier_mask[rows] & slower_bits])
+
+            if fill.size > k_max and bounds is not None:  # only rows that can be among the k_max best
+                fill = bounds.highest_gain_candidates(fill, k_max, spec.tier.rank, gain_of)
+            src_rank = _FIRST_RANK[tier_mask[fill] & slower_bits]
             gain = val(fill, spec.tier.rank) - val(fill, src_rank)
-            if fill.size > k_max:
-                self._beyond(plan, "admit", fill.size - k_max)
+            if want_fill > k_max:
+                self._beyond(plan, "admit", want_fill - k_max)
                 take = _largest(gain, k_max)
                 fill, gain, src_rank = fill[take], gain[take], src_rank[take]
             for j, r in enumerate(fill.tolist()):
@@ -548,6 +568,14 @@ class Planner:
                 m = Move(action, int(view.hashes[r]), src, spec.tier, float(gain[j]), int(view.nbytes[r]))
                 out.append((2, -m.value_s, m))
         return out
+
+    def _bw_by_rank(self) -> npt.NDArray[np.float64]:
+        """Load bandwidth per tier rank (unmanaged ranks: the slowest managed one), as in :meth:`plan`."""
+        specs = self.config.tiers
+        bw = np.full(len(TIER_ORDER) + 1, min((sp.load_bandwidth_bytes_s for sp in specs), default=1e10))
+        for sp in specs:
+            bw[sp.tier.rank] = sp.load_bandwidth_bytes_s
+        return bw
 
     @staticmethod
     def _beyond(plan: Plan, action: str, n: int) -> None:
@@ -604,6 +632,72 @@ class Planner:
                 action: Action = "prefetch" if tier is Tier.GPU else "promote"
                 out.append(Move(action, h, TIER_ORDER[rank], tier, float("inf"), nbytes, pinned=True))
         return out
+
+
+class _ValueBounds:
+    """Exact pruning for top-k selections over many rows (tick latency: only a few hundred moves fit the
+    budgets, but the candidates can be 100k+ rows). A row's value at rank ``t`` is
+    ``p * (tokens * c - nbytes / bw[t])`` (``c`` = prefill seconds per token) and a fill's gain the
+    difference of two such values, so with ``p >= 0`` both are bounded by ``p`` times a constant from the
+    view's extreme ``tokens`` / ``nbytes``. The exact values of the 4k likeliest (or least likely) rows give
+    a threshold; only rows whose bound can reach it are kept. The selected top-k is the same as over all
+    rows (up to the order of exactly equal values, which is arbitrary in either case)."""
+
+    def __init__(self, view: BlockView, bw: npt.NDArray[np.float64], prefill_s_per_token: float) -> None:
+        self.p = view.p_reuse
+        self.bw = bw
+        self.c = prefill_s_per_token
+        self.tok_min = float(view.tokens.min()) if len(view) else 0.0
+        self.tok_max = float(view.tokens.max()) if len(view) else 0.0
+        self.nb_min = float(view.nbytes.min()) if len(view) else 0.0
+        self.nb_max = float(view.nbytes.max()) if len(view) else 0.0
+
+    def _p(self, rows: npt.NDArray[np.intp]) -> npt.NDArray[np.float64] | None:
+        pr = self.p.take(rows).astype(np.float64)
+        return pr if bool((pr >= 0.0).all()) else None  # NaN / negative: no bound, keep every row
+
+    def lowest_candidates(
+        self,
+        rows: npt.NDArray[np.intp],
+        k: int,
+        rank: int,
+        value: Callable[[npt.NDArray[np.intp]], npt.NDArray[np.float64]],
+    ) -> npt.NDArray[np.intp]:
+        """Rows (a subset of ``rows``, same order) that can be among the ``k`` lowest values at ``rank``."""
+        pr = self._p(rows)
+        # value >= p * a_lo (floating-point monotone: tokens >= tok_min, nbytes <= nb_max)
+        a_lo = self.tok_min * self.c - self.nb_max / float(self.bw[rank])
+        if pr is None or a_lo < 0.0 or rows.size <= 4 * k:
+            return rows
+        probe = np.argpartition(pr, 4 * k)[: 4 * k]  # the least likely rows
+        theta = float(np.partition(value(rows[probe]), k - 1)[k - 1])  # k-th lowest value among them
+        return rows[pr * a_lo <= theta]
+
+    def highest_gain_candidates(
+        self,
+        rows: npt.NDArray[np.intp],
+        k: int,
+        rank: int,
+        gain: Callable[[npt.NDArray[np.intp]], npt.NDArray[np.float64]],
+    ) -> npt.NDArray[np.intp]:
+        """Rows that can be among the ``k`` highest fill ``gain`` into ``rank`` (from any slower rank or
+        from nowhere)."""
+        pr = self._p(rows)
+        if pr is None or rows.size <= 4 * k:
+            return rows
+        c = self.c
+        bw_t = float(self.bw[rank])
+        inv_src = float((1.0 / self.bw[rank + 1 :]).max()) if rank + 1 < self.bw.shape[0] else 0.0
+        b_admit = self.tok_max * c - self.nb_min / bw_t  # gain from nowhere: the whole value at rank
+        b_promote = self.nb_max * max(0.0, inv_src - 1.0 / bw_t)  # from a slower copy: the load time saved
+        # slack for the rounding of a difference of two values (relative to their magnitudes)
+        slack = 1e-12 * (self.tok_max * c + self.nb_max * max(inv_src, 1.0 / bw_t))
+        b = max(b_admit, b_promote) + slack
+        probe = np.argpartition(-pr, 4 * k)[: 4 * k]  # the likeliest rows
+        theta = float(-np.partition(-gain(rows[probe]), k - 1)[k - 1])  # k-th highest gain among them
+        if not theta > 0.0:
+            return rows
+        return rows[pr * b >= theta]
 
 
 def _smallest(values: npt.NDArray[np.float64], k: int) -> npt.NDArray[np.intp]:
