@@ -551,9 +551,10 @@ class Planner:
             def gain_of(rows: npt.NDArray[np.intp]) -> npt.NDArray[np.float64]:
                 return val(rows, spec.tier.rank) - val(rows, _FIRST_RANK[tier_mask[rows] & slower_bits])
 
-            if fill.size > k_max and bounds is not None:  # only rows that can be among the k_max best
-                fill = bounds.highest_gain_candidates(fill, k_max, spec.tier.rank, gain_of)
             src_rank = _FIRST_RANK[tier_mask[fill] & slower_bits]
+            if fill.size > k_max and bounds is not None:  # only rows that can be among the k_max best
+                fill = bounds.highest_gain_candidates(fill, src_rank, k_max, spec.tier.rank, gain_of)
+                src_rank = _FIRST_RANK[tier_mask[fill] & slower_bits]
             gain = val(fill, spec.tier.rank) - val(fill, src_rank)
             if want_fill > k_max:
                 self._beyond(plan, "admit", want_fill - k_max)
@@ -676,28 +677,29 @@ class _ValueBounds:
     def highest_gain_candidates(
         self,
         rows: npt.NDArray[np.intp],
+        src_rank: npt.NDArray[np.int8],
         k: int,
         rank: int,
         gain: Callable[[npt.NDArray[np.intp]], npt.NDArray[np.float64]],
     ) -> npt.NDArray[np.intp]:
-        """Rows that can be among the ``k`` highest fill ``gain`` into ``rank`` (from any slower rank or
-        from nowhere)."""
+        """Rows that can be among the ``k`` highest fill ``gain`` into ``rank``; ``src_rank``: each row's
+        fastest copy (``len(TIER_ORDER)`` = none: an admission)."""
         pr = self._p(rows)
         if pr is None or rows.size <= 4 * k:
             return rows
-        c = self.c
-        bw_t = float(self.bw[rank])
-        inv_src = float((1.0 / self.bw[rank + 1 :]).max()) if rank + 1 < self.bw.shape[0] else 0.0
-        b_admit = self.tok_max * c - self.nb_min / bw_t  # gain from nowhere: the whole value at rank
-        b_promote = self.nb_max * max(0.0, inv_src - 1.0 / bw_t)  # from a slower copy: the load time saved
-        # slack for the rounding of a difference of two values (relative to their magnitudes)
-        slack = 1e-12 * (self.tok_max * c + self.nb_max * max(inv_src, 1.0 / bw_t))
-        b = max(b_admit, b_promote) + slack
-        probe = np.argpartition(-pr, 4 * k)[: 4 * k]  # the likeliest rows
+        c, bw = self.c, self.bw
+        inv_t = 1.0 / float(bw[rank])
+        # per source rank, gain <= p * b: from nowhere the whole value at ``rank``, from a slower copy the
+        # load time saved; plus slack for the rounding of a difference of two values
+        slack = 1e-12 * (self.tok_max * c + self.nb_max / float(bw.min()))
+        b = np.array([self.nb_max * max(0.0, 1.0 / float(x) - inv_t) for x in bw]) + slack
+        b[len(TIER_ORDER)] = self.tok_max * c - self.nb_min * inv_t + slack
+        bound = pr * b[src_rank]
+        probe = np.argpartition(-bound, 4 * k)[: 4 * k]  # the rows with the highest bounds
         theta = float(-np.partition(-gain(rows[probe]), k - 1)[k - 1])  # k-th highest gain among them
         if not theta > 0.0:
             return rows
-        return rows[pr * b >= theta]
+        return rows[bound >= theta]
 
 
 def _smallest(values: npt.NDArray[np.float64], k: int) -> npt.NDArray[np.intp]:
