@@ -51,6 +51,7 @@ class PolicyPlacement:
         self._unknown: set[int] = set()
         self._epoch: object = None  # index epoch (slot reuse) the cached rows were resolved under
         self._row_slot = np.zeros(0, np.int32)  # index row -> policy slot (-1: not cached)
+        self._warm_version: object = None  # policy refit count its memoised scores were warmed for
         # the last observe window: evictions drained (oldest first) / blocks requested -> row (-1 unknown)
         self.victims: list[int] = []
         self.touched: dict[int, int] = {}
@@ -119,7 +120,19 @@ class PolicyPlacement:
                     self._add(b, touched[b])
             self.served += 1
             done += 1
+        if done:
+            self._warm_scores()
         return done
+
+    def _warm_scores(self) -> None:
+        """After the policy refitted its model (inside ``access``), recompute its memoised scores here, on
+        the feeding path, so the next tick does not pay for it (``learned``: ``warm_scores``)."""
+        warm = getattr(self.policy, "warm_scores", None)
+        version = getattr(self.policy, "_n_retrains", None)
+        if warm is None or version == self._warm_version:
+            return
+        self._warm_version = version
+        warm()
 
     def _add(self, block: int, row: int) -> None:
         self.desired.put(block, row)

@@ -390,12 +390,22 @@ class LearnedPolicy(Policy):
         ok = (ev >= 0) & (ev > self._n_events - self._E)
         if not ok.any():
             return out
-        z = self._zcache.get(slots[ok], ev[ok], (id(self.model), self.model.trained, self._n_retrains),
-                             self._logit_of_events)  # fmt: skip
+        z = self._zcache.get(slots[ok], ev[ok], self._score_version(), self._logit_of_events)
         now = self._last_now if now_ms is None else float(now_ms)
         age_s = np.maximum(0.0, now - self._last_ms[slots[ok]]) / 1000.0
         out[ok] = sigmoid(z - age_s / (self.tau_s * self._real.mult))
         return out
+
+    def warm_scores(self) -> int:
+        """Fill the memo behind :meth:`reuse_probability_slots` for the resident blocks (after a refit
+        every entry is stale; call this off the latency-critical path). Returns the entries computed."""
+        res = np.flatnonzero(self._real.resident[: self._n_slots])
+        ev = self._last_event[res]
+        ok = ev > max(self._n_events - self._E, -1)
+        return self._zcache.warm(res[ok], ev[ok], self._score_version(), self._logit_of_events)
+
+    def _score_version(self) -> tuple[int, bool, int]:
+        return (id(self.model), self.model.trained, self._n_retrains)
 
     def _logit_of_events(self, ev: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
         """The current model's (or the fallback's) log-odds of stored access events ``ev``."""

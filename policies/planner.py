@@ -422,6 +422,12 @@ class Planner:
             if free <= 0:
                 continue
             if elig is None:
+                # cheap pre-check (uint8 passes): any row without a copy this fast that could move up?
+                faster = np.uint8((1 << (spec.tier.rank + 1)) - 1)
+                movable = (tier_mask & faster) == 0
+                movable &= (tier_mask != 0) | view.admittable
+                if not movable.any():
+                    continue  # no candidate for this tier (the full eligibility pass would find none)
                 ok = view.p_reuse >= cfg.reuse_threshold
                 ok &= (tier_mask != 0) | view.admittable
                 ok &= (tier_mask & tier_bit(specs[0].tier)) == 0

@@ -316,6 +316,33 @@ class LogitCache:
         """Values for ``slots`` (>= 0) whose last events are ``events``; misses via ``compute(events)``."""
         if slots.size == 0:
             return np.zeros(0, dtype=np.float64)
+        self._prepare(slots, version)
+        miss = np.flatnonzero(self._ev[slots] != events)
+        if miss.size:
+            ms = slots[miss]
+            self._val[ms] = compute(events[miss])
+            self._ev[ms] = events[miss]
+        return self._val[slots]
+
+    def warm(
+        self,
+        slots: npt.NDArray[np.int64],
+        events: npt.NDArray[np.int64],
+        version: Hashable,
+        compute: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.float64]],
+    ) -> int:
+        """Compute the stale entries of ``slots`` now (as :meth:`get` would); returns how many."""
+        if slots.size == 0:
+            return 0
+        self._prepare(slots, version)
+        miss = np.flatnonzero(self._ev[slots] != events)
+        if miss.size:
+            ms = slots[miss]
+            self._val[ms] = compute(events[miss])
+            self._ev[ms] = events[miss]
+        return int(miss.size)
+
+    def _prepare(self, slots: npt.NDArray[np.int64], version: Hashable) -> None:
         if version != self._version:
             self._ev[:] = -1
             self._version = version
@@ -327,12 +354,6 @@ class LogitCache:
             val = np.zeros(size, dtype=np.float64)
             val[: self._val.shape[0]] = self._val
             self._ev, self._val = ev, val
-        miss = np.flatnonzero(self._ev[slots] != events)
-        if miss.size:
-            ms = slots[miss]
-            self._val[ms] = compute(events[miss])
-            self._ev[ms] = events[miss]
-        return self._val[slots]
 
     @property
     def nbytes(self) -> int:

@@ -97,3 +97,19 @@ def test_logit_cache_recomputes_only_changed_events_and_versions() -> None:
     assert calls[-1] == [9]  # only the slot with a new access event
     assert c.get(slots, np.array([1, 9, 3]), "v2", compute).tolist() == [10.0, 90.0, 30.0]
     assert calls[-1] == [1, 9, 3]  # a new model version invalidates everything
+
+
+def test_logit_cache_warm_fills_stale_entries_ahead_of_lookups() -> None:
+    calls: list[list[int]] = []
+
+    def compute(ev: np.ndarray) -> np.ndarray:
+        calls.append(ev.tolist())
+        return ev.astype(np.float64) + 0.5
+
+    c = LogitCache()
+    slots, ev = np.array([3, 1, 7]), np.array([30, 10, 70])
+    assert c.warm(slots, ev, 1, compute) == 3
+    assert c.warm(slots, ev, 1, compute) == 0  # nothing stale
+    assert c.get(slots, ev, 1, compute).tolist() == [30.5, 10.5, 70.5]
+    assert calls == [[30, 10, 70]]  # the lookup was served from the warmed entries
+    assert c.warm(slots, ev, 2, compute) == 3  # a new version: all stale again
