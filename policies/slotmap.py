@@ -320,7 +320,7 @@ class LogitCache:
         miss = np.flatnonzero(self._ev[slots] != events)
         if miss.size:
             ms = slots[miss]
-            self._val[ms] = compute(events[miss])
+            self._val[ms] = _chunked(compute, events[miss])
             self._ev[ms] = events[miss]
         return self._val[slots]
 
@@ -338,7 +338,7 @@ class LogitCache:
         miss = np.flatnonzero(self._ev[slots] != events)
         if miss.size:
             ms = slots[miss]
-            self._val[ms] = compute(events[miss])
+            self._val[ms] = _chunked(compute, events[miss])
             self._ev[ms] = events[miss]
         return int(miss.size)
 
@@ -358,3 +358,14 @@ class LogitCache:
     @property
     def nbytes(self) -> int:
         return int(self._val.nbytes + self._ev.nbytes)
+
+
+_CHUNK = 16_384  # rows per compute call: bounds the temporaries (a model's feature matrix) per call
+
+
+def _chunked(
+    compute: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.float64]], events: npt.NDArray[np.int64]
+) -> npt.NDArray[np.float64]:
+    if events.shape[0] <= _CHUNK:
+        return compute(events)
+    return np.concatenate([compute(events[i : i + _CHUNK]) for i in range(0, events.shape[0], _CHUNK)])
