@@ -115,9 +115,11 @@ class PolicyPlacement:
                 if b not in touched:
                     touched[b] = lookup(b) if lookup is not None else -1
             held = contains_many(req.hash_ids).tolist() if contains_many else [pol.contains(b) for b in ids]
-            for b, h in zip(ids, held, strict=True):
-                if h and desired.get(b, -2) == -2:
-                    self._add(b, touched[b])
+            if any(held):
+                cur = desired.get_list(ids, -2)  # -2: not in the desired set yet
+                for b, h, c in zip(ids, held, cur, strict=True):
+                    if h and c == -2:
+                        self._add(b, touched[b])  # (a block repeated in the request: added again, idempotent)
             self.served += 1
             done += 1
         if done:
