@@ -509,7 +509,7 @@ class LearnedPolicy(Policy):
         last_s = self._last_ms[:n] / 1000.0
         for pl in planners:
             own = pl is self._real and not self._aliased()
-            bias = _LEAD_BIAS * self._lead_member()[:n] if own else None
+            bias = np.where(self._lead_member()[:n], _LEAD_BIAS, 0.0) if own else None
             pl.rekey(z, last_s, self.tau_s, bias)
 
     def train_horizon_ms(self) -> float:
