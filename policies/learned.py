@@ -35,9 +35,8 @@ _LEAD_BIAS = 1e12  # added to the real cache's key of a block the followed exper
 
 def _prefix_tokens(hit: npt.NDArray[np.bool_], req: Request) -> float:
     """Prefix-hit tokens of one request from its hit mask (all blocks hit: the whole input)."""
-    n = hit.shape[0]
-    lead = n if hit.all() else int(hit.argmin())
-    return float(req.input_length if lead == n else lead * req.block_tokens)
+    k = int(hit.argmin())  # the first miss, or 0 if every block hit
+    return float(req.input_length) if hit[k] else float(k * req.block_tokens)
 
 
 class LearnedPolicy(Policy):
@@ -62,6 +61,7 @@ class LearnedPolicy(Policy):
         switch_z: float = 1.0,
         recency_mult: float = 1.0,
         expert_decay: float = 0.999,
+        switch_min_diff: float = 30.0,
         event_buffer: int = 1 << 18,
     ) -> None:
         super().__init__(capacity_blocks, seed=seed)
@@ -74,6 +74,7 @@ class LearnedPolicy(Policy):
         self.switch_margin = switch_margin
         self.switch_z = switch_z
         self.expert_decay = expert_decay
+        self.switch_min_diff = switch_min_diff
         self.fallback_tau_s = 60.0
         self.tau_s = self.fallback_tau_s
         self._train_rng = np.random.default_rng(seed + 1)
@@ -112,6 +113,9 @@ class LearnedPolicy(Policy):
         self._ex_S = np.zeros(k)
         self._ex_D = np.zeros((k, k))
         self._ex_Q = np.zeros((k, k))
+        self._ex_C = np.zeros((k, k))  # decayed count of requests on which the two experts differed
+        self._tok_buf = np.zeros((switch_every, k))  # per-request expert tokens, folded in every window
+        self._n_buf = 0
         self.switch_log: list[dict[str, Any]] = []  # every switch: request, from/to expert, scores, z
         self._views()
         self._evict_age = np.zeros(4096, dtype=np.float64)  # ages (ms) of recently evicted blocks
@@ -263,7 +267,7 @@ class LearnedPolicy(Policy):
         if known < n:
             self._turn[slots[new]] = turn + 1
         base = z + now / 1000.0 / (self.tau_s * self._real.mult)
-        toks = np.empty(len(self.expert_names))
+        toks = self._tok_buf[self._n_buf]
         dropped: list[int] | npt.NDArray[np.int64] = []
         aliased = self._aliased()
         hit = np.zeros(0, dtype=bool)
@@ -304,20 +308,32 @@ class LearnedPolicy(Policy):
             self._evict_age[(self._n_evict_age + np.arange(es.size)) % k] = now - self._last_ms[es]
             self._n_evict_age += es.size
         self._last_ms[slots] = now
-        if len(toks) > 1:
-            decay = self.expert_decay
-            d = toks[:, None] - toks[None, :]
-            self._ex_S *= decay
-            self._ex_S += toks
-            self._ex_D *= decay
-            self._ex_D += d
-            self._ex_Q *= decay
-            self._ex_Q += d * d
-            if self._requests % self.switch_every == 0:
+        self._n_buf += 1
+        if self._n_buf == self._tok_buf.shape[0]:
+            self._fold_expert_stats()
+            if len(toks) > 1:
                 self._follow_leader()
                 self._maybe_alias()
         self._maybe_retrain(now)
         return hit
+
+    def _fold_expert_stats(self) -> None:
+        """Fold the buffered per-request expert tokens into the decayed paired statistics (exactly the
+        per-request recurrence ``X = decay * X + x``, applied to the window at once)."""
+        m = self._n_buf
+        if m == 0:
+            return
+        self._n_buf = 0
+        t = self._tok_buf[:m]
+        r = self.expert_decay
+        w = r ** np.arange(m - 1, -1, -1, dtype=np.float64)
+        rm = r**m
+        wt = w @ t
+        d = t[:, :, None] - t[:, None, :]
+        self._ex_S = rm * self._ex_S + wt
+        self._ex_D = rm * self._ex_D + (wt[:, None] - wt[None, :])
+        self._ex_Q = rm * self._ex_Q + np.einsum("i,iab->ab", w, d * d)
+        self._ex_C = rm * self._ex_C + np.einsum("i,iab->ab", w, (d != 0).astype(np.float64))
 
     def _aliased(self) -> bool:
         """Is the real cache the followed learned expert itself (same object)?"""
@@ -356,6 +372,8 @@ class LearnedPolicy(Policy):
         best, best_z = -1, self.switch_z
         for j in range(len(self.expert_names)):
             if j == c or self._ex_S[j] <= self.switch_margin * self._ex_S[c]:
+                continue
+            if self._ex_C[j, c] < self.switch_min_diff:
                 continue
             q = self._ex_Q[j, c]
             zj = self._ex_D[j, c] / np.sqrt(q) if q > 0 else 0.0
@@ -551,6 +569,7 @@ class LearnedPolicy(Policy):
 
         Each access is scored by the model that was live when it was served, before its label existed.
         """
+        self._fold_expert_stats()
         experts = {
             "recency_mult": self._real.mult,
             "expert": self.expert_names[self._lead],
