@@ -162,7 +162,8 @@ def test_cli_max_requests_writes_the_first_lines_of_the_full_run(tmp_path: Path)
 
 def test_expert_switch_needs_a_significant_paired_lead() -> None:
     """Hand-set paired statistics: a noisy lead does not switch, a clear one does (and is logged)."""
-    pol = LearnedPolicy(100, learned_mults=(0.25, 1.0, 4.0), experts=(), switch_margin=1.03, switch_min_diff=0)
+    pol = LearnedPolicy(100, learned_mults=(0.25, 1.0, 4.0), experts=(), switch_margin=1.03,
+                        switch_min_diff=0)
     assert pol.expert_names == ["learned-tau-x0.25", "learned", "learned-tau-x4"]
     assert pol._real.mult == 1.0 and pol.quality()["expert"] == "learned"
     # expert 2 got 20 % more tokens, but per-request differences are so noisy the lead is < 1 s.e.
