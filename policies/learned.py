@@ -61,7 +61,6 @@ class LearnedPolicy(Policy):
         switch_z: float = 1.0,
         recency_mult: float = 1.0,
         expert_decay: float = 0.999,
-        switch_min_diff: float = 30.0,
         event_buffer: int = 1 << 18,
     ) -> None:
         super().__init__(capacity_blocks, seed=seed)
@@ -74,7 +73,6 @@ class LearnedPolicy(Policy):
         self.switch_margin = switch_margin
         self.switch_z = switch_z
         self.expert_decay = expert_decay
-        self.switch_min_diff = switch_min_diff
         self.fallback_tau_s = 60.0
         self.tau_s = self.fallback_tau_s
         self._train_rng = np.random.default_rng(seed + 1)
@@ -113,7 +111,6 @@ class LearnedPolicy(Policy):
         self._ex_S = np.zeros(k)
         self._ex_D = np.zeros((k, k))
         self._ex_Q = np.zeros((k, k))
-        self._ex_C = np.zeros((k, k))  # decayed count of requests on which the two experts differed
         self._tok_buf = np.zeros((switch_every, k))  # per-request expert tokens, folded in every window
         self._n_buf = 0
         self.switch_log: list[dict[str, Any]] = []  # every switch: request, from/to expert, scores, z
@@ -333,7 +330,6 @@ class LearnedPolicy(Policy):
         self._ex_S = rm * self._ex_S + wt
         self._ex_D = rm * self._ex_D + (wt[:, None] - wt[None, :])
         self._ex_Q = rm * self._ex_Q + np.einsum("i,iab->ab", w, d * d)
-        self._ex_C = rm * self._ex_C + np.einsum("i,iab->ab", w, (d != 0).astype(np.float64))
 
     def _aliased(self) -> bool:
         """Is the real cache the followed learned expert itself (same object)?"""
@@ -372,8 +368,6 @@ class LearnedPolicy(Policy):
         best, best_z = -1, self.switch_z
         for j in range(len(self.expert_names)):
             if j == c or self._ex_S[j] <= self.switch_margin * self._ex_S[c]:
-                continue
-            if self._ex_C[j, c] < self.switch_min_diff:
                 continue
             q = self._ex_Q[j, c]
             zj = self._ex_D[j, c] / np.sqrt(q) if q > 0 else 0.0
