@@ -38,3 +38,8 @@ def configure_logging(level: str = "INFO", *, json_lines: bool = False) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # one INFO line per peer request (scrapes every second, actuations) drowns the sidecar's own logs;
+    # they stay available at DEBUG
+    quiet = logging.DEBUG if root.level <= logging.DEBUG else logging.WARNING
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(quiet)

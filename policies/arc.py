@@ -42,6 +42,7 @@ class ARCPolicy(Policy):
         if c == 0:
             return np.zeros(len(ids), dtype=np.bool_)
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        replace = self._replace
         for i, x in enumerate(ids):
             if x in t1:
                 del t1[x]
@@ -53,32 +54,34 @@ class ARCPolicy(Policy):
             elif x in b1:
                 self._p = min(float(c), self._p + max(len(b2) / len(b1), 1.0))
                 if len(t1) + len(t2) >= c:
-                    self._replace(False)
+                    replace(False)
                 del b1[x]
                 t2[x] = None
             elif x in b2:
                 self._p = max(0.0, self._p - max(len(b1) / len(b2), 1.0))
                 if len(t1) + len(t2) >= c:
-                    self._replace(True)
+                    replace(True)
                 del b2[x]
                 t2[x] = None
             else:
-                l1 = len(t1) + len(b1)
+                n1 = len(t1)
+                l1 = n1 + len(b1)
                 if l1 == c:
-                    if len(t1) < c:
+                    if n1 < c:
                         b1.popitem(last=False)
-                        if len(t1) + len(t2) >= c:
-                            self._replace(False)
+                        if n1 + len(t2) >= c:
+                            replace(False)
                     else:
                         b, _ = t1.popitem(last=False)
                         self._evicted.append(b)
                 elif l1 < c:
-                    total = l1 + len(t2) + len(b2)
+                    n2 = len(t2)
+                    total = l1 + n2 + len(b2)
                     if total >= c:
                         if total >= 2 * c:
                             b2.popitem(last=False)
-                        if len(t1) + len(t2) >= c:
-                            self._replace(False)
+                        if n1 + n2 >= c:
+                            replace(False)
                 t1[x] = None
         return np.array(hits, dtype=np.bool_)
 

@@ -104,14 +104,46 @@ class KeyedPlanner:
             self.compact()
         return hit
 
+    def copy(self) -> KeyedPlanner:
+        """An independent copy (residency, keys, heap)."""
+        out = KeyedPlanner.__new__(KeyedPlanner)
+        out.capacity, out.mult, out.n_resident = self.capacity, self.mult, self.n_resident
+        out.resident = self.resident.copy()
+        out.res_children = self.res_children.copy()
+        out.key = self.key.copy()
+        out.heap = list(self.heap)
+        out._views()
+        return out
+
     def compact(self) -> None:
         """Rebuild the heap from the current resident leaves (drops stale entries)."""
         leaves = np.flatnonzero(self.resident & (self.res_children == 0))
         self.heap = list(zip(self.key[leaves].tolist(), leaves.tolist(), strict=True))
         heapq.heapify(self.heap)
 
-    def rekey(self, z: npt.NDArray[np.float64], last_s: npt.NDArray[np.float64], tau_s: float) -> None:
-        """New keys for all slots from log-odds ``z`` and last access times ``last_s`` (per slot)."""
+    def rekey(
+        self,
+        z: npt.NDArray[np.float64],
+        last_s: npt.NDArray[np.float64],
+        tau_s: float,
+        bias: npt.NDArray[np.float64] | None = None,
+    ) -> None:
+        """New keys for all slots from log-odds ``z`` and last access times ``last_s`` (per slot), plus an
+        optional per-slot ``bias``."""
         n = z.shape[0]
         self.key[:n] = z + last_s / (tau_s * self.mult)
+        if bias is not None:
+            self.key[:n] += bias
         self.compact()
+
+    def unbias(self, slots: npt.NDArray[np.int64], bias: float) -> None:
+        """Take ``bias`` off the keys of the resident ones among ``slots`` whose key carries it (key >
+        bias / 2); evictable leaves re-enter the heap with their lower key."""
+        s = slots[self.resident[slots]]
+        s = s[self.key[s] > bias / 2]
+        if s.size == 0:
+            return
+        self.key[s] -= bias
+        leaves = s[self.res_children[s] == 0]
+        for k, v in zip(self.key[leaves].tolist(), leaves.tolist(), strict=True):
+            heapq.heappush(self.heap, (k, v))

@@ -29,6 +29,14 @@ from kvtier.policies.predictor import BinnedLogit, auc, brier, reliability, sigm
 from kvtier.policies.slotmap import LogitCache, SlotMap
 
 _I64 = np.int64
+DEFAULT_EXPERTS = ("arc",)  # classic policies shadowed at full size as experts next to the learned planner
+_LEAD_BIAS = 1e12  # added to the real cache's key of a block the followed expert holds (keys are O(1e6))
+
+
+def _prefix_tokens(hit: npt.NDArray[np.bool_], req: Request) -> float:
+    """Prefix-hit tokens of one request from its hit mask (all blocks hit: the whole input)."""
+    k = int(hit.argmin())  # the first miss, or 0 if every block hit
+    return float(req.input_length) if hit[k] else float(k * req.block_tokens)
 
 
 class LearnedPolicy(Policy):
@@ -46,13 +54,13 @@ class LearnedPolicy(Policy):
         max_train: int = 8000,
         min_class: int = 200,
         tau_mode: str = "gap",
-        expert_mults: tuple[float, ...] = (1.0, 32.0),
+        experts: tuple[str, ...] = DEFAULT_EXPERTS,
+        learned_mults: tuple[float, ...] = (1.0, 32.0),
         switch_every: int = 100,
-        switch_margin: float = 1.03,
+        switch_margin: float = 1.0,
         switch_z: float = 1.0,
         recency_mult: float = 1.0,
-        shadow_rate: float = 0.25,
-        expert_decay: float = 0.998,
+        expert_decay: float = 0.999,
         event_buffer: int = 1 << 18,
     ) -> None:
         super().__init__(capacity_blocks, seed=seed)
@@ -81,22 +89,32 @@ class LearnedPolicy(Policy):
         self._turn = np.zeros(cap0, dtype=_I64)
         self._last_event = np.full(cap0, -1, dtype=_I64)
         self._n_slots = 0
-        # the real cache follows the best recent of its shadows, which differ only in the recency scale
+        # experts, each a full-size shadow cache over the same stream: 0 is the learned planner on its own,
+        # then the classic policies named in ``experts``. The real cache follows the best recent one.
+        self._keyed = [KeyedPlanner(capacity_blocks, m, cap0) for m in learned_mults]
         self._real = KeyedPlanner(capacity_blocks, recency_mult, cap0)
-        # shadows are miniature simulations (Waldspurger et al., ATC'17): they see only the chains whose
-        # first block below the root hashes into a ``shadow_rate`` sample, with capacity scaled alike
-        self.shadow_rate = shadow_rate
-        self._shadow_cut = int(shadow_rate * (1 << 24))
-        shadow_cap = max(1, round(capacity_blocks * shadow_rate))
-        self._shadows = [KeyedPlanner(shadow_cap, m, cap0) for m in expert_mults]
+        from kvtier.policies.registry import get_policy  # lazy: the registry imports this module
+
+        self._classic = [get_policy(e, capacity_blocks, seed) for e in experts] if capacity_blocks > 0 else []
+        self.expert_names = [
+            "learned" if m == 1.0 else f"learned-tau-x{m:g}" for m in learned_mults
+        ] + [e for e in experts if capacity_blocks > 0]
+        self._n_keyed = len(self._keyed)
+        # membership of each classic expert's resident set, per slot (advisory: it only biases eviction)
+        self._member = [np.zeros(cap0, dtype=bool) for _ in self._classic]
+        self._lead = learned_mults.index(recency_mult) if recency_mult in learned_mults else 0
+        if self._keyed and self._keyed[self._lead].mult == recency_mult:
+            self._real = self._keyed[self._lead]  # aliased until the first switch (see _maybe_alias)
         self._switches = 0
-        # paired expert statistics over the same sampled requests (decayed): per-expert prefix-hit tokens
-        # S, and pairwise differences D[i, j] = sum(h_i - h_j) and their squares Q[i, j]
-        k = len(self._shadows)
+        # paired expert statistics over the same requests (decayed): per-expert prefix-hit tokens S, and
+        # pairwise differences D[i, j] = sum(h_i - h_j) and their squares Q[i, j]
+        k = len(self.expert_names)
         self._ex_S = np.zeros(k)
         self._ex_D = np.zeros((k, k))
         self._ex_Q = np.zeros((k, k))
-        self.switch_log: list[dict[str, float]] = []  # every switch: request, from/to mult, scores, z
+        self._tok_buf = np.zeros((switch_every, k))  # per-request expert tokens, folded in every window
+        self._n_buf = 0
+        self.switch_log: list[dict[str, Any]] = []  # every switch: request, from/to expert, scores, z
         self._views()
         self._evict_age = np.zeros(4096, dtype=np.float64)  # ages (ms) of recently evicted blocks
         self._n_evict_age = 0
@@ -140,8 +158,12 @@ class LearnedPolicy(Policy):
             arr = np.full(new, fill, dtype=old.dtype)
             arr[:size] = old
             setattr(self, name, arr)
-        for pl in (self._real, *self._shadows):
+        for pl in self._planners():
             pl.grow(new)
+        for i, m in enumerate(self._member):
+            arr = np.zeros(new, dtype=bool)
+            arr[:size] = m
+            self._member[i] = arr
         self._views()
 
     def _views(self) -> None:
@@ -247,9 +269,41 @@ class LearnedPolicy(Policy):
         self._freq[slots] = freq + 1
         if known < n:
             self._turn[slots[new]] = turn + 1
-        now_s = now / 1000.0
+        base = z + now / 1000.0 / (self.tau_s * self._real.mult)
+        toks = self._tok_buf[self._n_buf]
+        dropped: list[int] | npt.NDArray[np.int64] = []
+        aliased = self._aliased()
+        hit = np.zeros(0, dtype=bool)
         ev: list[int] = []
-        hit = self._real.serve(slots, z + now_s / (self.tau_s * self._real.mult), self._v_par, ev)
+        # the learned planner on its own, at each recency scale
+        for i, pl in enumerate(self._keyed):
+            lost: list[int] = []
+            b = base if pl.mult == self._real.mult else z + now / 1000.0 / (self.tau_s * pl.mult)
+            h = pl.serve(slots, b, self._v_par, lost)
+            toks[i] = _prefix_tokens(h, req)
+            if i == self._lead:
+                dropped = lost
+                if aliased:
+                    hit, ev = h, lost
+        nk = self._n_keyed
+        for i, pol in enumerate(self._classic):
+            h = pol.access(req)
+            toks[nk + i] = _prefix_tokens(h, req)
+            mem = self._member[i]
+            mem[slots] = True
+            gone = pol.drain_evicted()
+            if gone:
+                es = np.fromiter(map(self._slot.get, gone, repeat(-1)), _I64, len(gone))
+                es = es[es >= 0]
+                mem[es] = False
+                if nk + i == self._lead:
+                    dropped = es
+        if not aliased:
+            # the real cache: leaves outside the leader's set go first; the learned key breaks ties
+            lead_in = self._lead_member()
+            if len(dropped):
+                self._real.unbias(np.asarray(dropped, dtype=_I64), _LEAD_BIAS)
+            hit = self._real.serve(slots, base + _LEAD_BIAS * lead_in[slots], self._v_par, ev)
         if ev:
             es = np.asarray(ev, dtype=_I64)
             self._evicted.extend(self._ids[es].tolist())
@@ -257,41 +311,68 @@ class LearnedPolicy(Policy):
             self._evict_age[(self._n_evict_age + np.arange(es.size)) % k] = now - self._last_ms[es]
             self._n_evict_age += es.size
         self._last_ms[slots] = now
-        chain = int(ids[1]) if n > 1 else int(ids[0])
-        sampled = (((chain * 0x9E3779B97F4A7C15 + self.seed) & 0xFFFFFFFFFFFFFFFF) >> 40) < self._shadow_cut
-        if sampled and self._shadows:
-            toks = np.empty(len(self._shadows))
-            for i, sh in enumerate(self._shadows):
-                h = sh.serve(slots, z + now_s / (self.tau_s * sh.mult), self._v_par, None)
-                lead = n if h.all() else int(np.argmin(h))
-                toks[i] = req.input_length if lead == n else lead * req.block_tokens
-            decay = self.expert_decay
-            d = toks[:, None] - toks[None, :]
-            self._ex_S *= decay
-            self._ex_S += toks
-            self._ex_D *= decay
-            self._ex_D += d
-            self._ex_Q *= decay
-            self._ex_Q += d * d
-        if self._shadows and self._requests % self.switch_every == 0:
-            self._follow_leader()
+        self._n_buf += 1
+        if self._n_buf == self._tok_buf.shape[0]:
+            self._fold_expert_stats()
+            if len(toks) > 1:
+                self._follow_leader()
+                self._maybe_alias()
         self._maybe_retrain(now)
         return hit
 
-    def _follow_leader(self) -> None:
-        """Switch the real cache's recency scale to a shadow's that was *significantly* better.
+    def _fold_expert_stats(self) -> None:
+        """Fold the buffered per-request expert tokens into the decayed paired statistics (exactly the
+        per-request recurrence ``X = decay * X + x``, applied to the window at once)."""
+        m = self._n_buf
+        if m == 0:
+            return
+        self._n_buf = 0
+        t = self._tok_buf[:m]
+        r = self.expert_decay
+        w = r ** np.arange(m - 1, -1, -1, dtype=np.float64)
+        rm = r**m
+        wt = w @ t
+        d = t[:, :, None] - t[:, None, :]
+        self._ex_S = rm * self._ex_S + wt
+        self._ex_D = rm * self._ex_D + (wt[:, None] - wt[None, :])
+        self._ex_Q = rm * self._ex_Q + np.einsum("i,iab->ab", w, d * d)
 
-        The shadows serve the same sampled requests, so their per-request prefix-hit tokens are paired:
-        expert j replaces the current expert c only if over the decayed window it got more tokens by
+    def _aliased(self) -> bool:
+        """Is the real cache the followed learned expert itself (same object)?"""
+        return self._lead < self._n_keyed and self._real is self._keyed[self._lead]
+
+    def _maybe_alias(self) -> None:
+        """Once the real cache holds exactly what the followed learned expert holds (same recency scale),
+        both would decide alike from now on: serve one object for both (halves the planner work)."""
+        if self._lead >= self._n_keyed or self._aliased():
+            return
+        ex = self._keyed[self._lead]
+        n = self._n_slots
+        if ex.mult == self._real.mult and np.array_equal(ex.resident[:n], self._real.resident[:n]):
+            self._real = ex
+
+    def _lead_member(self) -> npt.NDArray[np.bool_]:
+        """Per-slot membership of the followed expert's resident set."""
+        nk = self._n_keyed
+        return self._keyed[self._lead].resident if self._lead < nk else self._member[self._lead - nk]
+
+    def _planners(self) -> list[KeyedPlanner]:
+        """The real cache and the learned experts, each object once."""
+        return list({id(p): p for p in (self._real, *self._keyed)}.values())
+
+    def _follow_leader(self) -> None:
+        """Follow an expert that was *significantly* better than the current one over the recent window.
+
+        All experts serve the same requests, so their per-request prefix-hit tokens are paired: expert j
+        replaces the current expert c only if over the decayed window it got more tokens by
         ``switch_margin`` and the paired lead is ``switch_z`` standard errors above zero
         (``D[j, c] / sqrt(Q[j, c])``). This is the hysteresis: noise on short traces does not switch.
+        The real cache keeps its contents (hand-off): from now on it evicts first what the new leader
+        does not hold, so it converges to the leader's set by its own misses, never by teleporting blocks.
         """
-        mults = [p.mult for p in self._shadows]
-        if self._real.mult not in mults:
-            return
-        c = mults.index(self._real.mult)
+        c = self._lead
         best, best_z = -1, self.switch_z
-        for j in range(len(mults)):
+        for j in range(len(self.expert_names)):
             if j == c or self._ex_S[j] <= self.switch_margin * self._ex_S[c]:
                 continue
             q = self._ex_Q[j, c]
@@ -302,15 +383,19 @@ class LearnedPolicy(Policy):
             return
         self.switch_log.append(
             {
-                "request": float(self._requests),
-                "from_mult": mults[c],
-                "to_mult": mults[best],
+                "request": self._requests,
+                "from": self.expert_names[c],
+                "to": self.expert_names[best],
                 "from_score": float(self._ex_S[c]),
                 "to_score": float(self._ex_S[best]),
                 "z": float(best_z),
             }
         )
-        self._real.mult = mults[best]
+        if self._aliased():
+            self._real = self._real.copy()  # the real cache gets its own state again
+        self._lead = best
+        if best < self._n_keyed:
+            self._real.mult = self._keyed[best].mult
         self._switches += 1
         self._rekey([self._real])
 
@@ -449,7 +534,7 @@ class LearnedPolicy(Policy):
         else:  # "gap": mean observed reuse gap within the horizon
             g = gap[(gap <= hz)]
             self.tau_s = float(np.clip(g.mean() / 1000.0, 1.0, hz / 1000.0)) if g.size else self.tau_s
-        self._rekey([self._real, *self._shadows])
+        self._rekey(self._planners())
 
     def _rekey(self, planners: list[KeyedPlanner]) -> None:
         """Recompute resident blocks' keys with the current model and tau (from stored access features)."""
@@ -466,7 +551,9 @@ class LearnedPolicy(Policy):
             z[res[live]] = self.model.predict_logit(x) if self.model.trained else fallback_logit(x)
         last_s = self._last_ms[:n] / 1000.0
         for pl in planners:
-            pl.rekey(z, last_s, self.tau_s)
+            own = pl is self._real and not self._aliased()
+            bias = np.where(self._lead_member()[:n], _LEAD_BIAS, 0.0) if own else None
+            pl.rekey(z, last_s, self.tau_s, bias)
 
     def train_horizon_ms(self) -> float:
         """Training label horizon, ms: the cache's own time scale (mean age of recently evicted blocks),
@@ -507,8 +594,16 @@ class LearnedPolicy(Policy):
 
         Each access is scored by the model that was live when it was served, before its label existed.
         """
+        self._fold_expert_stats()
+        experts = {
+            "recency_mult": self._real.mult,
+            "expert": self.expert_names[self._lead],
+            "expert_switches": self._switches,
+            "expert_scores": {n: float(v) for n, v in zip(self.expert_names, self._ex_S, strict=True)},
+        }
         if not self._q_y:
-            return {"trained": self.model.trained, "retrains": self._n_retrains, "scored_accesses": 0}
+            return {"trained": self.model.trained, "retrains": self._n_retrains, "scored_accesses": 0,
+                    **experts}
         y = np.concatenate(self._q_y)
         z = np.concatenate(self._q_z)
         zf = np.concatenate(self._q_zf)
@@ -522,9 +617,7 @@ class LearnedPolicy(Policy):
             "horizon_s": self.horizon_ms / 1000.0,
             "train_horizon_s": self.train_horizon_ms() / 1000.0,
             "tau_s": self.tau_s,
-            "recency_mult": self._real.mult,
-            "expert_switches": self._switches,
-            "expert_scores": {str(p.mult): float(v) for p, v in zip(self._shadows, self._ex_S, strict=True)},
+            **experts,
             "auc": auc(y, z),
             "auc_first_touch": auc(y[first], z[first]),
             "auc_retouched": auc(y[~first], z[~first]),
@@ -547,6 +640,8 @@ class LearnedPolicy(Policy):
             "resident": bool(self._real.resident[s]),
             "leaf": bool(self._real.res_children[s] == 0),
             "key": float(self._real.key[s]),
+            "expert": self.expert_names[self._lead],
+            "held_by_expert": bool(self._lead_member()[s]),
             "freq": int(self._freq[s]),
             "last_access_ms": float(self._last_ms[s]),
             "model_trained": self.model.trained,
