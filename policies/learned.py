@@ -293,7 +293,7 @@ class LearnedPolicy(Policy):
             mem[slots] = True
             gone = pol.drain_evicted()
             if gone:
-                es = np.fromiter(map(self._slot.get, gone, repeat(-1)), _I64, len(gone))
+                es = self._slot.get_many(np.asarray(gone, dtype=_I64))  # -1: never seen
                 es = es[es >= 0]
                 mem[es] = False
                 if nk + i == self._lead:

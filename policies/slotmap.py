@@ -98,6 +98,13 @@ class SlotMap:
                 i = (i + 1) & m
         return out
 
+    def __getitem__(self, key: int) -> int:
+        """Value of ``key``; KeyError if absent (dict-like)."""
+        v = self.get(key, EMPTY)
+        if v == EMPTY:
+            raise KeyError(key)
+        return v
+
     def __iter__(self) -> Iterator[int]:
         """Keys (table order; a snapshot)."""
         return iter(self.items()[0].tolist())

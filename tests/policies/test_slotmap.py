@@ -30,6 +30,11 @@ def test_slotmap_matches_a_dict_on_random_operations(seed: int) -> None:
         elif op == 2:
             assert sm.get(k, -9) == d.get(k, -9)
             assert (k in sm) == (k in d)
+            if k in d:
+                assert sm[k] == d[k]
+            else:
+                with pytest.raises(KeyError):
+                    sm[k]
         elif op == 3:  # batched puts, small (scalar path) or large (vectorised), repeated keys: last wins
             size = int(rng.choice([5, 40, 300, 700]))
             ks = pool[rng.integers(0, pool.size, size=size)]
