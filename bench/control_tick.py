@@ -13,12 +13,15 @@ requests per tick are fed *between* ticks, as the ingest path does: the bundled 
 requests in order, each trace block id mapped onto an index block by a fixed random permutation (prefix
 sharing kept), submitted and fed with ``PolicyPlacement.feed`` (timed separately: feed cost per request).
 Tick CPU = thread CPU time of the tick (load-independent on a shared machine). Memory = RSS growth (index +
-loop + policy state, after the ticks) / tracked blocks. Targets (issue 4): tick p99 <= 50 ms and <= 256
-bytes resident per tracked block at 1M.
+loop + policy state, after the ticks) / tracked blocks; the workload (trace, its block mapping) is loaded
+before the baseline, and the imported modules' objects are frozen out of the cyclic GC first, as ``kvtier
+serve`` does after startup. Targets (issue 4): tick p99 <= 50 ms and <= 256 bytes resident per tracked
+block at 1M.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -52,6 +55,17 @@ def run_one(n: int, policy: str = "none", ticks: int = 60, seed: int = 0) -> dic
     from kvtier.replay.trace import bundled_trace_path, load_trace
 
     rng = np.random.default_rng(seed)
+    trace: list[Request] = []
+    chains: list[np.ndarray] = []
+    if policy != "none":  # the workload (trace requests -> index rows) is the bench's, not the controller's
+        trace = load_trace(bundled_trace_path())
+        ids = np.concatenate([r.hash_ids for r in trace])
+        lo_id = int(ids.min())
+        # trace block id - lo_id (mod n: the 100k index aliases a few) -> row, a fixed random permutation
+        perm = np.random.default_rng(seed + 1).permutation(n)
+        chains = [perm[(r.hash_ids - lo_id) % n] for r in trace]
+        del ids, perm
+    gc.freeze()  # as ``kvtier serve`` does after startup: imported modules' objects out of the cyclic GC
     base = rss_bytes()
     idx = BlockIndex(initial_capacity=n)
     chain = 16
@@ -87,13 +101,8 @@ def run_one(n: int, policy: str = "none", ticks: int = 60, seed: int = 0) -> dic
     now = [3_600.0]
     reg = CollectorRegistry()
     loop = ReconcileLoop(idx, policy=doc, metrics=ControllerMetrics(reg), clock=lambda: now[0])
-    trace: list[Request] = []
     if policy != "none":
         loop.placement = make_placement(loop, policy, Tier.CPU, lambda: now[0])
-        trace = load_trace(bundled_trace_path())
-        ids = np.concatenate([r.hash_ids for r in trace])
-        lo_id = int(ids.min())
-        perm = rng.permutation(n)  # trace block id - lo_id (mod n: the 100k index aliases a few) -> row
     durs, cpus = [], []
     feed_cpu = 0.0
     fed = 0
@@ -104,9 +113,10 @@ def run_one(n: int, policy: str = "none", ticks: int = 60, seed: int = 0) -> dic
         pl = loop.placement
         if pl is not None:  # the request stream between ticks, fed as it arrives (the ingest path)
             for i in range(REQUESTS_PER_TICK):
-                r = trace[(k * REQUESTS_PER_TICK + i) % len(trace)]
+                j = (k * REQUESTS_PER_TICK + i) % len(trace)
+                r = trace[j]
                 t_ms = now[0] * 1000 - 1000 + (i + 1) * (1000 / REQUESTS_PER_TICK)
-                chain = idx.hash[perm[(r.hash_ids - lo_id) % n]]
+                chain = idx.hash[chains[j]]
                 pl.requests.submit(Request(t_ms, r.input_length, r.output_length, chain, block_tokens=16))
                 c0 = time.thread_time()
                 fed += pl.feed(None)

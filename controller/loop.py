@@ -177,6 +177,9 @@ class ReconcileLoop:
         self._busy = threading.Lock()
         self._wake: asyncio.Event | None = None
         self._tokens_buf: npt.NDArray[np.int32] = np.zeros(0, np.int32)
+        self._nbytes_buf: npt.NDArray[np.int64] = np.zeros(0, np.int64)
+        self._mask_buf: npt.NDArray[np.uint8] = np.zeros(0, np.uint8)
+        self._p_buf: npt.NDArray[np.float32] = np.zeros(0, np.float32)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.fault: dict[str, BaseException] = {}  # test hook: stage -> exception to raise (fault injection)
         metrics.init_layers(a.name for a in self.actuators)
@@ -309,6 +312,7 @@ class ReconcileLoop:
                 p,
                 self._admittable(view, p),
                 view.lookup,
+                view.lookup_many,
             )
         with self._phase("plan"):
             try:
@@ -351,9 +355,17 @@ class ReconcileLoop:
         n = int(getattr(idx, "_n", idx.capacity))
         if self._tokens_buf.shape[0] != n:
             self._tokens_buf = np.full(n, self.policy.block_size_tokens, np.int32)
+        # per-tick arrays in buffers kept across ticks (the tick is serial): fresh multi-MB allocations
+        # each tick cost page faults, which on a loaded machine made single ticks 30+ ms slower
+        if self._nbytes_buf.shape[0] != n:
+            self._nbytes_buf = np.zeros(n, np.int64)
+            self._mask_buf = np.zeros(n, np.uint8)
         nb = idx.nbytes[:n]
-        nbytes = np.where(nb > 0, nb, self.policy.block_bytes)
-        mask = idx.tiers[:n].copy()
+        nbytes = self._nbytes_buf
+        np.copyto(nbytes, nb)
+        np.putmask(nbytes, nb <= 0, self.policy.block_bytes)
+        mask = self._mask_buf
+        np.copyto(mask, idx.tiers[:n])
         for h, (managed, bits) in list(self.layer_residency.items()):
             r = idx.slot_of(h)
             if 0 <= r < n:
@@ -366,6 +378,7 @@ class ReconcileLoop:
             p_reuse=np.zeros(n, np.float32),
             admittable=np.zeros(n, np.bool_),
             lookup=idx.slot_of,
+            lookup_many=getattr(idx, "slots_of_keys", None),
         )
         return view, n
 
@@ -389,7 +402,7 @@ class ReconcileLoop:
                     return  # nothing feeds the policy (yet): no opinion, the tier plans on the index alone
                 lookup = view.lookup or self.index.slot_of
                 n = len(view)
-                want = pl.desired_mask(view.hashes, lookup)
+                want = pl.desired_mask(view.hashes, lookup, getattr(self.index, "epoch", None))
                 here = (view.tier_mask & np.uint8(tier_bit(pl.tier))) != 0
                 # scored by the policy: the rows its diff moves, and the blocks just requested
                 # the policy can only score blocks it was fed: remember their rows (1 byte per row), so
@@ -404,7 +417,7 @@ class ReconcileLoop:
                 self._desired = want
                 if rows.size:
                     try:
-                        self._policy_q = pl.reuse_probability(view.hashes[rows], now * 1000.0)
+                        self._policy_q = pl.reuse_probability(view.hashes[rows], now * 1000.0, rows)
                     except Exception as exc:  # noqa: BLE001 - reported as a predict fallback
                         self._policy_exc = exc
         except Exception as exc:  # noqa: BLE001 - a policy bug must not kill the tick
@@ -444,7 +457,10 @@ class ReconcileLoop:
             return p
         ok = np.isfinite(q)
         if ok.any():
-            p = p.copy()
+            if self._p_buf.shape[0] != p.shape[0]:
+                self._p_buf = np.zeros(p.shape[0], np.float32)
+            np.copyto(self._p_buf, p)  # the predictor may keep its output: overwrite a copy
+            p = self._p_buf
             p[rows[ok]] = q[ok].astype(np.float32)
             rep.predictor = f"policy:{pl.name}+{rep.predictor}"
         self._policy_quality_metric(pl)

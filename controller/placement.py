@@ -26,6 +26,7 @@ import numpy.typing as npt
 from kvtier.collectors.kv_requests import RequestInferrer
 from kvtier.policies.base import Policy
 from kvtier.policies.registry import get_policy
+from kvtier.policies.slotmap import SlotMap
 from kvtier.policies.tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,14 @@ class PolicyPlacement:
         if self.policy.offline:
             raise ValueError(f"policy {name!r} needs the future (replay only); pick an online policy")
         self.requests = inferrer if inferrer is not None else RequestInferrer()
-        self.desired: dict[int, int] = {}  # int64 block held by the policy -> index row (cached; -1 unknown)
+        # the desired set, kept incrementally as requests are fed: int64 block held by the policy -> index
+        # row (-1: the index does not track it yet), the same as a row mask, and the blocks without a row
+        self.desired = SlotMap()
+        self._want = np.zeros(0, np.bool_)
+        self._unknown: set[int] = set()
+        self._epoch: object = None  # index epoch (slot reuse) the cached rows were resolved under
+        self._row_slot = np.zeros(0, np.int32)  # index row -> policy slot (-1: not cached)
+        self._warm_version: object = None  # policy refit count its memoised scores were warmed for
         # the last observe window: evictions drained (oldest first) / blocks requested -> row (-1 unknown)
         self.victims: list[int] = []
         self.touched: dict[int, int] = {}
@@ -71,6 +79,9 @@ class PolicyPlacement:
         with self.lock:
             self.policy = get_policy(self.name, capacity_blocks, seed=self.seed)
             self.desired.clear()
+            self._want[:] = False
+            self._unknown.clear()
+            self._row_slot[:] = -1
 
     def feed(self, max_requests: int | None = 64, *, blocking: bool = False) -> int:
         """Serve up to ``max_requests`` queued requests (None = all) through the policy, in arrival order;
@@ -85,6 +96,7 @@ class PolicyPlacement:
 
     def _feed(self, max_requests: int | None) -> int:
         pol, desired, touched, lookup = self.policy, self.desired, self._touched, self.lookup
+        contains_many = getattr(pol, "contains_many", None)
         done = 0
         while max_requests is None or done < max_requests:
             got = self.requests.drain(1)
@@ -96,16 +108,54 @@ class PolicyPlacement:
             self.block_hits += int(np.count_nonzero(hit))
             ev = pol.drain_evicted()
             for v in ev:
-                desired.pop(v, None)
+                self._drop(v)
             self._victims.extend(ev)
-            for b in req.hash_ids.tolist():
+            ids = req.hash_ids.tolist()
+            for b in ids:
                 if b not in touched:
                     touched[b] = lookup(b) if lookup is not None else -1
-                if b not in desired and pol.contains(b):
-                    desired[b] = touched[b]
+            held = contains_many(req.hash_ids).tolist() if contains_many else [pol.contains(b) for b in ids]
+            if any(held):
+                cur = desired.get_list(ids, -2)  # -2: not in the desired set yet
+                for b, h, c in zip(ids, held, cur, strict=True):
+                    if h and c == -2:
+                        self._add(b, touched[b])  # (a block repeated in the request: added again, idempotent)
             self.served += 1
             done += 1
+        if done:
+            self._warm_scores()
         return done
+
+    def _warm_scores(self) -> None:
+        """After the policy refitted its model (inside ``access``), recompute its memoised scores here, on
+        the feeding path, so the next tick does not pay for it (``learned``: ``warm_scores``)."""
+        warm = getattr(self.policy, "warm_scores", None)
+        version = getattr(self.policy, "_n_retrains", None)
+        if warm is None or version == self._warm_version:
+            return
+        self._warm_version = version
+        warm()
+
+    def _add(self, block: int, row: int) -> None:
+        self.desired.put(block, row)
+        if row < 0:
+            self._unknown.add(block)
+            return
+        if row >= self._want.shape[0]:
+            self._want = _grown(self._want, row + 1, False)
+        self._want[row] = True
+
+    def _drop(self, block: int) -> None:
+        row = self.desired.pop(block, -2)
+        if row >= 0:
+            if row < self._want.shape[0]:
+                self._want[row] = False
+        elif row == -1:
+            self._unknown.discard(block)
+
+    def desired_blocks(self) -> npt.NDArray[np.int64]:
+        """The blocks the policy holds (fed through :meth:`feed`), table order."""
+        return self.desired.items()[0]
 
     def observe(self) -> None:
         """Tick side (call with :attr:`lock` held): serve whatever is still queued, then start a new
@@ -131,24 +181,67 @@ class PolicyPlacement:
         return rows[ok]
 
     def desired_mask(
-        self, hashes: npt.NDArray[np.int64], lookup: Callable[[int], int]
+        self, hashes: npt.NDArray[np.int64], lookup: Callable[[int], int], epoch: object = None
     ) -> npt.NDArray[np.bool_]:
         """Per index row (``hashes``: row -> block, ``lookup``: block -> row or -1): does the policy hold
-        this block (the desired placement of :attr:`tier`)? Rows are cached per block and re-looked up
-        only when stale. Blocks the index does not track cannot be placed: skipped."""
+        this block (the desired placement of :attr:`tier`)? A copy of the mask kept up to date as requests
+        are fed. ``epoch``: the index's slot-reuse epoch (:attr:`BlockIndex.epoch`); while it is unchanged
+        a cached row stays valid and only blocks without a row yet are looked up; when it changes, or is
+        None (unknown), every cached row is checked against ``hashes`` (vectorised) and re-looked up if
+        stale. Blocks the index does not track cannot be placed: skipped."""
         n = hashes.shape[0]
-        mask = np.zeros(n, np.bool_)
-        if not self.desired:
-            return mask
-        rows = _rows(self.desired, hashes, lookup)
-        mask[rows[(rows >= 0) & (rows < n)]] = True
-        return mask
+        if epoch is None or epoch != self._epoch:
+            self._revalidate(hashes, lookup)
+            self._epoch = epoch
+        elif self._unknown:
+            for b in list(self._unknown):
+                r = lookup(b)
+                if r >= 0:
+                    self._unknown.discard(b)
+                    self._add(b, r)
+        if self._want.shape[0] < n:
+            self._want = _grown(self._want, n, False)
+        return self._want[:n].copy()
+
+    def _revalidate(self, hashes: npt.NDArray[np.int64], lookup: Callable[[int], int]) -> None:
+        """Check every cached row against ``hashes``; re-look up stale / unknown ones; rebuild the mask."""
+        n = hashes.shape[0]
+        keys, rows = self.desired.items()
+        ok = (rows >= 0) & (rows < n)
+        ok[ok] = hashes[rows[ok]] == keys[ok]
+        bad = np.flatnonzero(~ok)
+        if bad.size:
+            new = np.fromiter((lookup(k) for k in keys[bad].tolist()), np.int64, bad.size)
+            self.desired.put_many(keys[bad], new)
+            rows = rows.copy()
+            rows[bad] = new
+        self._unknown = set(keys[rows < 0].tolist())
+        size = max(n, self._want.shape[0], int(rows.max()) + 1 if rows.size else 0)
+        self._want = np.zeros(size, np.bool_)
+        self._want[rows[rows >= 0]] = True
+        self._row_slot[:] = -1  # rows may now hold other blocks
 
     def reuse_probability(
-        self, blocks: npt.NDArray[np.int64], now_ms: float
+        self, blocks: npt.NDArray[np.int64], now_ms: float, rows: npt.NDArray[np.int64] | None = None
     ) -> npt.NDArray[np.float64] | None:
-        """The policy's P(reuse) per block (NaN = cannot score), or None if the policy has no predictor."""
-        fn = getattr(self.policy, "reuse_probability", None)
+        """The policy's P(reuse) per block (NaN = cannot score), or None if the policy has no predictor.
+        ``rows``: the blocks' index rows; with a policy that has stable slots (``slots_of`` +
+        ``reuse_probability_slots``, e.g. ``learned``) the row -> slot mapping is cached (valid while the
+        index epoch given to :meth:`desired_mask` holds), so no per-block hash lookup is repeated."""
+        pol = self.policy
+        by_slot = getattr(pol, "reuse_probability_slots", None)
+        slots_of = getattr(pol, "slots_of", None)
+        if rows is not None and by_slot is not None and slots_of is not None:
+            top = int(rows.max()) + 1 if rows.size else 0
+            if self._row_slot.shape[0] < top:
+                self._row_slot = _grown(self._row_slot, top, -1)
+            s = self._row_slot[rows].astype(np.int64)
+            miss = np.flatnonzero(s < 0)
+            if miss.size:
+                s[miss] = slots_of(blocks[miss])
+                self._row_slot[rows[miss]] = s[miss]  # -1 again where the policy never saw the block
+            return np.asarray(by_slot(s, now_ms), np.float64)
+        fn = getattr(pol, "reuse_probability", None)
         if fn is None:
             return None
         return np.asarray(fn(blocks, now_ms), np.float64)
@@ -178,6 +271,13 @@ class PolicyPlacement:
             "inferred": dict(self.requests.counts),
             "errors": self.errors,
         }
+
+
+def _grown(a: npt.NDArray[Any], n: int, fill: Any) -> npt.NDArray[Any]:
+    """``a`` extended to at least ``n`` entries (doubling), new ones ``fill``."""
+    out = np.full(max(n, 2 * a.shape[0], 1024), fill, dtype=a.dtype)
+    out[: a.shape[0]] = a
+    return out
 
 
 def _rows(

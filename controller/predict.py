@@ -6,6 +6,7 @@ policy is adapted to the same :class:`ReusePredictor` protocol. Times are index 
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -14,6 +15,10 @@ import numpy.typing as npt
 from kvtier.policies.index import BlockIndex
 
 Probs = npt.NDArray[np.float32]
+# freq clipped, age, tau, NaN mask
+_Scratch = tuple[
+    npt.NDArray[np.uint32], npt.NDArray[np.float32], npt.NDArray[np.float32], npt.NDArray[np.bool_]
+]
 _FREQ_TERM = (1.0 - np.exp(-np.arange(65, dtype=np.float32) / 2.0)).astype(np.float32)
 
 
@@ -36,15 +41,47 @@ class HeuristicPredictor:
 
     def __init__(self, tau_ms: float = 300_000.0) -> None:
         self.tau_ms = tau_ms
+        # scratch arrays reused across calls (fresh multi-MB temporaries per tick cost page faults); a
+        # concurrent call (e.g. the API while a tick runs) allocates its own
+        self._scratch_lock = threading.Lock()
+        self._scratch: _Scratch | None = None
 
     def predict(self, index: BlockIndex, n: int, now_ms: float) -> Probs:
-        f = np.minimum(index.freq[:n], len(_FREQ_TERM) - 1)
+        if not self._scratch_lock.acquire(blocking=False):
+            return self._predict(index, n, now_ms, None)
+        try:
+            sc = self._scratch
+            if sc is None or sc[0].shape[0] != n:
+                z32 = np.zeros(n, np.float32)
+                sc = self._scratch = (np.zeros(n, np.uint32), z32, z32.copy(), np.zeros(n, np.bool_))
+            return self._predict(index, n, now_ms, sc)
+        finally:
+            self._scratch_lock.release()
+
+    def _predict(
+        self,
+        index: BlockIndex,
+        n: int,
+        now_ms: float,
+        sc: _Scratch | None,
+    ) -> Probs:
+        freq = index.freq[:n]
+        if sc is not None and freq.dtype == np.uint32:
+            f = np.minimum(freq, len(_FREQ_TERM) - 1, out=sc[0])
+        else:
+            f = np.minimum(freq, len(_FREQ_TERM) - 1)
         p = _FREQ_TERM[f]  # 1 - exp(-freq / 2), from a table (float32)
-        age = np.subtract(np.float64(now_ms), index.last_access[:n], dtype=np.float32)
+        now = np.float64(now_ms)
+        if sc is not None:
+            age = np.subtract(now, index.last_access[:n], dtype=np.float32, out=sc[1])
+            tau = np.multiply(index.gap_ewma[:n], np.float32(4.0), out=sc[2])
+        else:
+            age = np.subtract(now, index.last_access[:n], dtype=np.float32)
+            tau = index.gap_ewma[:n] * np.float32(4.0)
         np.maximum(age, 0.0, out=age)
-        tau = index.gap_ewma[:n] * np.float32(4.0)
         np.maximum(tau, np.float32(4.0), out=tau)
-        tau[np.isnan(tau)] = np.float32(self.tau_ms)
+        nan = np.isnan(tau, out=sc[3]) if sc is not None else np.isnan(tau)
+        np.putmask(tau, nan, np.float32(self.tau_ms))  # (faster than boolean-index assignment)
         np.divide(age, tau, out=age)
         np.negative(age, out=age)
         np.exp(age, out=age)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.policies.slotmap import SlotMap
 from kvtier.policies.tiers import TIER_ORDER, Tier, normalize_tier
 
 _U64 = 1 << 64
@@ -90,7 +91,7 @@ class BlockIndex:
         if max_blocks is not None and max_blocks <= 0:
             raise ValueError(f"max_blocks must be > 0, got {max_blocks}")
         self.max_blocks = max_blocks
-        self._slot: dict[int, int] = {}
+        self._slot = SlotMap()  # int64 key -> slot (numpy open addressing: ~16-32 B per block)
         self._free: list[int] = []
         self._n = 0  # high-water mark of used slots
         self.reclaimed = 0  # slots reclaimed under max_blocks pressure
@@ -138,11 +139,17 @@ class BlockIndex:
         """Allocated slots."""
         return int(self.hash.shape[0])
 
+    @property
+    def epoch(self) -> int:
+        """Changes whenever a slot is dropped (and may be reused for another hash): a cached hash -> slot
+        mapping taken under the same epoch is still valid."""
+        return self.reclaimed
+
     def nbytes_per_block(self) -> float:
         """Approximate memory per tracked block (arrays per allocated slot + the hash map), bytes."""
         arrays = sum(getattr(self, f).nbytes for f in self._FIELDS)
         per_slot = arrays / self.capacity
-        return per_slot + 110.0  # measured dict + int-object overhead per entry (CPython 3.11)
+        return per_slot + self._slot.nbytes / max(1, len(self._slot))
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -152,12 +159,16 @@ class BlockIndex:
 
     def slot_of(self, h: int) -> int:
         """Dense slot of ``h`` or -1 if untracked."""
-        return self._slot.get(to_key(h), -1)
+        return self._slot.get(to_key(h))
 
     def slots_of(self, hashes: Iterable[int]) -> npt.NDArray[np.int64]:
         """Slots of many hashes (-1 for untracked)."""
         get = self._slot.get
         return np.fromiter((get(to_key(h), -1) for h in hashes), dtype=np.int64)
+
+    def slots_of_keys(self, keys: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Slots of int64 keys (already folded, e.g. taken from :attr:`hash`), -1 for untracked."""
+        return self._slot.get_many(keys)
 
     def _new_slot(self, key: int) -> int:
         if self._free:
@@ -170,7 +181,7 @@ class BlockIndex:
                 self._grow()
             s = self._n
             self._n += 1
-        self._slot[key] = s
+        self._slot.put(key, s)
         self.hash[s] = key  # the other fields hold their defaults: fresh from _alloc/_grow or reset on drop
         self.used[s] = True
         return s
@@ -194,7 +205,7 @@ class BlockIndex:
         p = int(self.parent[s])
         if p >= 0:
             self.n_children[p] -= 1
-        del self._slot[int(self.hash[s])]
+        self._slot.pop(int(self.hash[s]))
         self.used[s] = False
         self.parent[s] = -1
         self.depth[s] = 0
@@ -210,7 +221,7 @@ class BlockIndex:
     # ---- updates --------------------------------------------------------------------------------------
     def _ensure(self, key: int, parent_key: int | None, t: float) -> int:
         s = self._slot.get(key)
-        if s is not None:
+        if s >= 0:
             if parent_key is not None and self.parent[s] < 0:
                 self._link(s, parent_key)
             return s
@@ -223,7 +234,7 @@ class BlockIndex:
 
     def _link(self, s: int, parent_key: int) -> None:
         p = self._slot.get(parent_key)
-        if p is None or p == s:
+        if p < 0 or p == s:
             return
         self.parent[s] = p
         self.depth[s] = self.depth[p] + 1
@@ -274,7 +285,7 @@ class BlockIndex:
 
     def _store(self, key: int, pkey: int | None, r: int, nbytes: int, t: float) -> bool:
         s = self._slot.get(key)
-        if s is None:
+        if s < 0:
             s = self._new_slot(key)
             self.first_seen[s] = t
             self.last_access[s] = t
@@ -310,7 +321,7 @@ class BlockIndex:
     def remove(self, h: int, tier: Tier | str | int | None = None) -> bool:
         """Block ``h`` left ``tier`` (every tier if None). Its statistics are kept. True if it was there."""
         s = self._slot.get(to_key(h))
-        if s is None:
+        if s < 0:
             return False
         if tier is None:
             return any([self._clear_tier(s, r) for r in range(_N_TIERS)])
@@ -332,7 +343,7 @@ class BlockIndex:
     def touch(self, h: int, t: float) -> bool:
         """Record an access (lookup hit or request use) of ``h`` at ``t`` ms. False if untracked."""
         s = self._slot.get(to_key(h))
-        if s is None:
+        if s < 0:
             return False
         self._touch_slot(s, t)
         return True
@@ -354,7 +365,7 @@ class BlockIndex:
     def get(self, h: int) -> BlockState | None:
         """State of ``h`` or None if untracked."""
         s = self._slot.get(to_key(h))
-        if s is None:
+        if s < 0:
             return None
         p = int(self.parent[s])
         m = int(self.tiers[s])
@@ -387,7 +398,7 @@ class BlockIndex:
     def is_evictable(self, h: int, tier: Tier | str | int) -> bool:
         """Resident in ``tier`` with no child resident there (a leaf of that tier's prefix tree)."""
         s = self._slot.get(to_key(h))
-        if s is None:
+        if s < 0:
             return False
         r = _tier_rank(tier)
         return bool(self.tiers[s] >> r & 1) and self.res_children[s, r] == 0

@@ -15,8 +15,6 @@ unsigned. Falls back to the one-by-one path when ``max_blocks`` would force recl
 
 from __future__ import annotations
 
-from itertools import repeat
-
 import numpy as np
 import numpy.typing as npt
 
@@ -187,7 +185,7 @@ def _count_add(a: npt.NDArray[np.int32], i: I64, delta: int) -> None:
 
 def _lookup(idx: BlockIndex, keys: I64) -> I64:
     """Slots of int64 ``keys`` (-1 = untracked)."""
-    return np.fromiter(map(idx._slot.get, keys.tolist(), repeat(-1)), dtype=np.int64, count=keys.size)
+    return idx._slot.get_many(keys)
 
 
 def _allocate(
@@ -196,8 +194,8 @@ def _allocate(
     """Slots of the distinct int64 ``keys``; untracked ones get a new slot, first seen (and accessed) at
     ``t_first`` (ms). Returns (slots, which ones are new), or None if ``max_blocks`` would need reclaiming.
 
-    One dict operation per key (``setdefault`` with a candidate slot); unused candidates go back to the free
-    list."""
+    One vectorised lookup + insert for all keys (a ``setdefault`` with a candidate slot each); unused
+    candidates go back to the free list."""
     m = keys.size
     from_free = min(m, len(idx._free))
     fresh = m - from_free
@@ -226,7 +224,11 @@ def _allocate(
     cand[:from_free] = cand_l
     cand[from_free:] = np.arange(idx._n, idx._n + fresh)
     idx._n += fresh
-    got = np.fromiter(map(idx._slot.setdefault, keys.tolist(), cand.tolist()), dtype=np.int64, count=m)
+    # setdefault per (distinct) key: the existing slot, else the candidate
+    got = idx._slot.get_many(keys)
+    untracked = got < 0
+    got[untracked] = cand[untracked]
+    idx._slot.put_many(keys[untracked], cand[untracked])
     is_new = got == cand
     if not is_new.all():
         free.extend(cand[~is_new].tolist())

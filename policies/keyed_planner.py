@@ -28,6 +28,9 @@ class KeyedPlanner:
         self.res_children = np.zeros(size, dtype=np.int32)
         self.key = np.zeros(size, dtype=np.float64)
         self.heap: list[tuple[float, int]] = []
+        # lazy-deletion heap: rebuilt from the resident leaves once it holds twice as many entries as
+        # after the last rebuild (bounds stale entries by the live ones, not by the capacity)
+        self.heap_limit = 4096
         self.n_resident = 0
         self._views()
 
@@ -100,7 +103,7 @@ class KeyedPlanner:
             if v == s:
                 break  # bypass: the newcomer is the least likely to return; skip the rest
         self.n_resident = n_res
-        if len(heap) > 4 * self.capacity + 4096:
+        if len(heap) > self.heap_limit:
             self.compact()
         return hit
 
@@ -112,6 +115,7 @@ class KeyedPlanner:
         out.res_children = self.res_children.copy()
         out.key = self.key.copy()
         out.heap = list(self.heap)
+        out.heap_limit = self.heap_limit
         out._views()
         return out
 
@@ -120,6 +124,7 @@ class KeyedPlanner:
         leaves = np.flatnonzero(self.resident & (self.res_children == 0))
         self.heap = list(zip(self.key[leaves].tolist(), leaves.tolist(), strict=True))
         heapq.heapify(self.heap)
+        self.heap_limit = 2 * len(self.heap) + 4096
 
     def rekey(
         self,

@@ -17,8 +17,7 @@ used. Refit every ``retrain_every`` requests on a bounded seeded sample. Pure, n
 
 from __future__ import annotations
 
-from itertools import repeat
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +26,7 @@ from kvtier.policies.base import HitMask, Policy, Request
 from kvtier.policies.features import FEATURE_NAMES, N_FEATURES, fallback_logit, request_features
 from kvtier.policies.keyed_planner import KeyedPlanner
 from kvtier.policies.predictor import BinnedLogit, auc, brier, reliability, sigmoid
+from kvtier.policies.slotmap import LogitCache, SlotMap
 
 _I64 = np.int64
 DEFAULT_EXPERTS = ("arc",)  # classic policies shadowed at full size as experts next to the learned planner
@@ -77,9 +77,10 @@ class LearnedPolicy(Policy):
         self.tau_s = self.fallback_tau_s
         self._train_rng = np.random.default_rng(seed + 1)
         self.model = BinnedLogit(seed=seed, linear_cols=(FEATURE_NAMES.index("log_freq"),))
-        # block state, indexed by dense slot
-        self._slot: dict[int, int] = {}
+        # block state, indexed by dense slot (block id -> slot: a compact numpy hash map)
         cap0 = 1024
+        self._slot = SlotMap(cap0)
+        self._zcache = LogitCache()  # f(x) of each slot's last access, for reuse_probability
         self._ids = np.zeros(cap0, dtype=_I64)
         self._parent = np.full(cap0, -1, dtype=_I64)
         self._children = np.zeros(cap0, dtype=_I64)
@@ -172,23 +173,23 @@ class LearnedPolicy(Policy):
     def _slots_for(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """Dense slots of a request's blocks, allocating new ones (parent = previous block of the request)."""
         idl = ids.tolist()
-        got = list(map(self._slot.get, idl))
+        got = self._slot.get_list(idl)  # -1 = never seen
         try:
-            k = got.index(None)
+            k = got.index(-1)
         except ValueError:
             return np.array(got, dtype=_I64)
         m = len(idl) - k
-        if got.count(None) != m or len(set(idl[k:])) != m:
-            return self._slots_for_loop(idl, got)
+        if got.count(-1) != m or len(set(idl[k:])) != m:
+            return self._slots_for_loop(idl)
         # the usual tree case: a known prefix, then a suffix of never-seen blocks (allocated in bulk)
         s0 = self._n_slots
         if s0 + m > self._ids.shape[0]:
             self._grow(s0 + m)
         self._n_slots = s0 + m
         new = np.arange(s0, s0 + m, dtype=_I64)
-        self._slot.update(zip(idl[k:], range(s0, s0 + m), strict=True))
+        self._slot.put_many(ids[k:], new)
         self._ids[s0 : s0 + m] = ids[k:]
-        head = cast(list[int], got[:k])  # all known (k is the first unknown)
+        head = got[:k]  # all known (k is the first unknown)
         prev = head[-1] if k > 0 else -1
         self._parent[s0] = prev
         self._parent[s0 + 1 : s0 + m] = new[:-1]
@@ -200,18 +201,18 @@ class LearnedPolicy(Policy):
         out[k:] = new
         return out
 
-    def _slots_for_loop(self, idl: list[int], got: list[int | None]) -> npt.NDArray[np.int64]:
+    def _slots_for_loop(self, idl: list[int]) -> npt.NDArray[np.int64]:
         """General case (a known block after a new one, or a block repeated within the request)."""
         out = np.empty(len(idl), dtype=_I64)
         prev = -1
         for i, b in enumerate(idl):
             s = self._slot.get(b)
-            if s is None:
+            if s < 0:
                 s = self._n_slots
                 self._n_slots += 1
                 if s >= self._ids.shape[0]:
                     self._grow(s + 1)
-                self._slot[b] = s
+                self._slot.put(b, s)
                 self._ids[s] = b
                 self._parent[s] = prev
                 if prev >= 0:
@@ -223,7 +224,12 @@ class LearnedPolicy(Policy):
     # ----------------------------------------------------------------- Policy API
     def contains(self, block: int) -> bool:
         s = self._slot.get(int(block))
-        return s is not None and bool(self._real.resident[s])
+        return s >= 0 and bool(self._real.resident[s])
+
+    def contains_many(self, block_ids: npt.ArrayLike) -> npt.NDArray[np.bool_]:
+        """Vectorised :meth:`contains`."""
+        slots = self._slot.get_many(block_ids)
+        return (slots >= 0) & self._real.resident[np.maximum(slots, 0)]
 
     def __len__(self) -> int:
         return self._real.n_resident
@@ -287,7 +293,7 @@ class LearnedPolicy(Policy):
             mem[slots] = True
             gone = pol.drain_evicted()
             if gone:
-                es = np.fromiter(map(self._slot.get, gone, repeat(-1)), _I64, len(gone))
+                es = self._slot.get_many(np.asarray(gone, dtype=_I64))  # -1: never seen
                 es = es[es >= 0]
                 mem[es] = False
                 if nk + i == self._lead:
@@ -449,22 +455,47 @@ class LearnedPolicy(Policy):
         """P(block accessed again within the horizon) as of ``now_ms`` (default: the last request's time),
         per id: the log-odds ``f(x) - age / tau`` of the block's last access. NaN where the policy cannot
         score (never seen, or its last access fell out of the event ring)."""
-        ids = np.asarray(block_ids, dtype=_I64).ravel()
-        out = np.full(ids.shape[0], np.nan)
-        if ids.size == 0:
+        return self.reuse_probability_slots(self.slots_of(block_ids), now_ms)
+
+    def slots_of(self, block_ids: npt.ArrayLike) -> npt.NDArray[np.int64]:
+        """Dense slot per block id, -1 = never seen. A slot never changes once assigned, so callers may
+        cache it and use :meth:`reuse_probability_slots`."""
+        return self._slot.get_many(block_ids)
+
+    def reuse_probability_slots(
+        self, slots: npt.NDArray[np.int64], now_ms: float | None = None
+    ) -> npt.NDArray[np.float64]:
+        """:meth:`reuse_probability` by slot (-1 = unknown block: NaN). ``f(x)`` of each slot's last access
+        is memoised until the slot is accessed again or the model changes."""
+        slots = np.asarray(slots, dtype=_I64).ravel()
+        out = np.full(slots.shape[0], np.nan)
+        if slots.size == 0:
             return out
-        get = self._slot.get
-        slots = np.fromiter(map(get, ids.tolist(), repeat(-1)), _I64, ids.shape[0])
         ev = np.where(slots >= 0, self._last_event[np.maximum(slots, 0)], -1)
         ok = (ev >= 0) & (ev > self._n_events - self._E)
         if not ok.any():
             return out
-        x = self._ev_x[ev[ok] % self._E].astype(np.float64)
-        z = self.model.predict_logit(x) if self.model.trained else fallback_logit(x)
+        z = self._zcache.get(slots[ok], ev[ok], self._score_version(), self._logit_of_events)
         now = self._last_now if now_ms is None else float(now_ms)
         age_s = np.maximum(0.0, now - self._last_ms[slots[ok]]) / 1000.0
         out[ok] = sigmoid(z - age_s / (self.tau_s * self._real.mult))
         return out
+
+    def warm_scores(self) -> int:
+        """Fill the memo behind :meth:`reuse_probability_slots` for the resident blocks (after a refit
+        every entry is stale; call this off the latency-critical path). Returns the entries computed."""
+        res = np.flatnonzero(self._real.resident[: self._n_slots])
+        ev = self._last_event[res]
+        ok = ev > max(self._n_events - self._E, -1)
+        return self._zcache.warm(res[ok], ev[ok], self._score_version(), self._logit_of_events)
+
+    def _score_version(self) -> tuple[int, bool, int]:
+        return (id(self.model), self.model.trained, self._n_retrains)
+
+    def _logit_of_events(self, ev: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
+        """The current model's (or the fallback's) log-odds of stored access events ``ev``."""
+        x = self._ev_x[ev % self._E].astype(np.float64)
+        return self.model.predict_logit(x) if self.model.trained else fallback_logit(x)
 
     def _retrain(self, now: float) -> None:
         lo, hi = self._labelled_range(now - self.horizon_ms)
@@ -601,7 +632,7 @@ class LearnedPolicy(Policy):
 
     def explain(self, block: int) -> dict[str, Any]:
         s = self._slot.get(int(block))
-        if s is None:
+        if s < 0:
             return {"known": False}
         e = int(self._last_event[s])
         out: dict[str, Any] = {

@@ -121,9 +121,15 @@ class BlockView:
     p_reuse: npt.NDArray[np.float32]
     admittable: npt.NDArray[np.bool_]
     lookup: Callable[[int], int] | None = None  # block -> row (-1 if absent); faster than a scan
+    # vectorised ``lookup`` of int64 block keys (-1 where absent); preferred when set
+    lookup_many: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.int64]] | None = None
 
     def rows_all(self, blocks: Collection[int]) -> npt.NDArray[np.int64]:
         """Row of each block, -1 where absent (aligned with ``blocks``)."""
+        if self.lookup_many is not None:
+            if isinstance(blocks, np.ndarray):
+                return self.lookup_many(blocks.astype(np.int64, copy=False))
+            return self.lookup_many(np.fromiter(blocks, np.int64, len(blocks)))
         if self.lookup is not None:
             get = self.lookup
             return np.fromiter((get(b) for b in blocks), np.int64, len(blocks))
@@ -140,6 +146,9 @@ class BlockView:
         """Rows of the given blocks that are in the view (absent ones dropped)."""
         if not blocks:
             return np.zeros(0, np.int64)
+        if self.lookup_many is not None:
+            rows = self.lookup_many(np.fromiter(blocks, np.int64, len(blocks)))
+            return rows[rows >= 0]
         if self.lookup is not None:
             get = self.lookup
             rows = np.fromiter((get(b) for b in blocks), np.int64, len(blocks))
@@ -257,16 +266,21 @@ class Planner:
         mask = view.tier_mask
         recent = np.zeros(n, np.bool_)
         horizon = now_s - self.config.hysteresis_s
-        live = [(k, v[2], v[3]) for k, v in self._last_move.items() if v[0] > horizon]
-        if not live:
+        lm = self._last_move
+        if not lm:
             return recent, mask
-        keys = [k for k, _, _ in live]
+        vals = list(lm.values())
+        at = np.fromiter((v[0] for v in vals), np.float64, len(vals))
+        live = at > horizon
+        if not live.any():
+            return recent, mask
+        keys = np.fromiter(lm.keys(), np.int64, len(vals))[live]
         rows = view.rows_all(keys)
         ok = rows >= 0
         if not ok.any():
             return recent, mask
-        clear = np.fromiter((c for _, c, _ in live), np.uint8, len(live))[ok]
-        put = np.fromiter((p for _, _, p in live), np.uint8, len(live))[ok]
+        clear = np.fromiter((v[2] for v in vals), np.uint8, len(vals))[live][ok]
+        put = np.fromiter((v[3] for v in vals), np.uint8, len(vals))[live][ok]
         rows = rows[ok]
         recent[rows] = True
         mask = mask.copy()
@@ -331,9 +345,14 @@ class Planner:
 
         def val(rows: npt.NDArray[np.intp], rank: int | npt.NDArray[np.int8]) -> npt.NDArray[np.float64]:
             """v at tier ``rank`` for ``rows`` (rank 4 = not resident: 0)."""
-            p = view.p_reuse[rows].astype(np.float64)
-            saved = view.tokens[rows].astype(np.float64) * cfg.prefill_s_per_token
-            out = p * (saved - view.nbytes[rows].astype(np.float64) / bw[rank])
+            # p * (tokens * prefill_s_per_token - nbytes / bw), in place (same operations, same rounding)
+            out = view.p_reuse.take(rows).astype(np.float64)
+            saved = view.tokens.take(rows).astype(np.float64)
+            saved *= cfg.prefill_s_per_token
+            load = view.nbytes.take(rows).astype(np.float64)
+            load /= bw[rank]
+            saved -= load
+            out *= saved
             if not isinstance(rank, int):
                 out[rank == len(TIER_ORDER)] = 0.0
             elif rank == len(TIER_ORDER):
@@ -403,6 +422,12 @@ class Planner:
             if free <= 0:
                 continue
             if elig is None:
+                # cheap pre-check (uint8 passes): any row without a copy this fast that could move up?
+                faster = np.uint8((1 << (spec.tier.rank + 1)) - 1)
+                movable = (tier_mask & faster) == 0
+                movable &= (tier_mask != 0) | view.admittable
+                if not movable.any():
+                    continue  # no candidate for this tier (the full eligibility pass would find none)
                 ok = view.p_reuse >= cfg.reuse_threshold
                 ok &= (tier_mask != 0) | view.admittable
                 ok &= (tier_mask & tier_bit(specs[0].tier)) == 0
@@ -496,12 +521,21 @@ class Planner:
                 keep[j] = pins.get(int(view.hashes[shed[j]]), Tier.REMOTE).rank >= spec.tier.rank
             plan.held["pinned"] += int(keep.sum())
             shed = shed[~keep]
+        fill = np.flatnonzero(want & ~here & ~pinned_rows)
+        bounds = None
+        if max(shed.size, fill.size) > 8 * k_max:
+            bounds = _ValueBounds(view, self._bw_by_rank(), self.config.prefill_s_per_token)
         if shed.size:
-            v_here = val(shed, spec.tier.rank)
+            rank = spec.tier.rank
             if shed.size > k_max:
                 self._beyond(plan, "evict", shed.size - k_max)
+                if bounds is not None:  # only rows that can be among the k_max lowest values (exact)
+                    shed = bounds.lowest_candidates(shed, k_max, rank, lambda r: val(r, rank))
+                v_here = val(shed, rank)
                 take = _smallest(v_here, k_max)
                 shed, v_here = shed[take], v_here[take]
+            else:
+                v_here = val(shed, rank)
             nxt = specs[i + 1].tier if i + 1 < len(specs) else None
             v_next = val(shed, nxt.rank) if nxt is not None else np.zeros(shed.size)
             other = tier_mask[shed] & ~np.uint8(bit)
@@ -516,13 +550,20 @@ class Planner:
                     continue
                 out.append((1, -m.value_s, m))
         # add what it holds: promote from a slower copy, else admit (stored from the engine / recomputed)
-        fill = np.flatnonzero(want & ~here & ~pinned_rows)
+        want_fill = fill.size
         if fill.size:
-            slower = tier_mask[fill] & np.uint8(~((bit << 1) - 1) & 0xFF)
-            src_rank = _FIRST_RANK[slower]
+            slower_bits = np.uint8(~((bit << 1) - 1) & 0xFF)
+
+            def gain_of(rows: npt.NDArray[np.intp]) -> npt.NDArray[np.float64]:
+                return val(rows, spec.tier.rank) - val(rows, _FIRST_RANK[tier_mask[rows] & slower_bits])
+
+            src_rank = _FIRST_RANK[tier_mask[fill] & slower_bits]
+            if fill.size > k_max and bounds is not None:  # only rows that can be among the k_max best
+                fill = bounds.highest_gain_candidates(fill, src_rank, k_max, spec.tier.rank, gain_of)
+                src_rank = _FIRST_RANK[tier_mask[fill] & slower_bits]
             gain = val(fill, spec.tier.rank) - val(fill, src_rank)
-            if fill.size > k_max:
-                self._beyond(plan, "admit", fill.size - k_max)
+            if want_fill > k_max:
+                self._beyond(plan, "admit", want_fill - k_max)
                 take = _largest(gain, k_max)
                 fill, gain, src_rank = fill[take], gain[take], src_rank[take]
             for j, r in enumerate(fill.tolist()):
@@ -534,6 +575,14 @@ class Planner:
                 m = Move(action, int(view.hashes[r]), src, spec.tier, float(gain[j]), int(view.nbytes[r]))
                 out.append((2, -m.value_s, m))
         return out
+
+    def _bw_by_rank(self) -> npt.NDArray[np.float64]:
+        """Load bandwidth per tier rank (unmanaged ranks: the slowest managed one), as in :meth:`plan`."""
+        specs = self.config.tiers
+        bw = np.full(len(TIER_ORDER) + 1, min((sp.load_bandwidth_bytes_s for sp in specs), default=1e10))
+        for sp in specs:
+            bw[sp.tier.rank] = sp.load_bandwidth_bytes_s
+        return bw
 
     @staticmethod
     def _beyond(plan: Plan, action: str, n: int) -> None:
@@ -590,6 +639,73 @@ class Planner:
                 action: Action = "prefetch" if tier is Tier.GPU else "promote"
                 out.append(Move(action, h, TIER_ORDER[rank], tier, float("inf"), nbytes, pinned=True))
         return out
+
+
+class _ValueBounds:
+    """Exact pruning for top-k selections over many rows (tick latency: only a few hundred moves fit the
+    budgets, but the candidates can be 100k+ rows). A row's value at rank ``t`` is
+    ``p * (tokens * c - nbytes / bw[t])`` (``c`` = prefill seconds per token) and a fill's gain the
+    difference of two such values, so with ``p >= 0`` both are bounded by ``p`` times a constant from the
+    view's extreme ``tokens`` / ``nbytes``. The exact values of the 4k likeliest (or least likely) rows give
+    a threshold; only rows whose bound can reach it are kept. The selected top-k is the same as over all
+    rows (up to the order of exactly equal values, which is arbitrary in either case)."""
+
+    def __init__(self, view: BlockView, bw: npt.NDArray[np.float64], prefill_s_per_token: float) -> None:
+        self.p = view.p_reuse
+        self.bw = bw
+        self.c = prefill_s_per_token
+        self.tok_min = float(view.tokens.min()) if len(view) else 0.0
+        self.tok_max = float(view.tokens.max()) if len(view) else 0.0
+        self.nb_min = float(view.nbytes.min()) if len(view) else 0.0
+        self.nb_max = float(view.nbytes.max()) if len(view) else 0.0
+
+    def _p(self, rows: npt.NDArray[np.intp]) -> npt.NDArray[np.float64] | None:
+        pr = self.p.take(rows).astype(np.float64)
+        return pr if bool((pr >= 0.0).all()) else None  # NaN / negative: no bound, keep every row
+
+    def lowest_candidates(
+        self,
+        rows: npt.NDArray[np.intp],
+        k: int,
+        rank: int,
+        value: Callable[[npt.NDArray[np.intp]], npt.NDArray[np.float64]],
+    ) -> npt.NDArray[np.intp]:
+        """Rows (a subset of ``rows``, same order) that can be among the ``k`` lowest values at ``rank``."""
+        pr = self._p(rows)
+        # value >= p * a_lo (floating-point monotone: tokens >= tok_min, nbytes <= nb_max)
+        a_lo = self.tok_min * self.c - self.nb_max / float(self.bw[rank])
+        if pr is None or a_lo < 0.0 or rows.size <= 4 * k:
+            return rows
+        probe = np.argpartition(pr, 4 * k)[: 4 * k]  # the least likely rows
+        theta = float(np.partition(value(rows[probe]), k - 1)[k - 1])  # k-th lowest value among them
+        return rows[pr * a_lo <= theta]
+
+    def highest_gain_candidates(
+        self,
+        rows: npt.NDArray[np.intp],
+        src_rank: npt.NDArray[np.int8],
+        k: int,
+        rank: int,
+        gain: Callable[[npt.NDArray[np.intp]], npt.NDArray[np.float64]],
+    ) -> npt.NDArray[np.intp]:
+        """Rows that can be among the ``k`` highest fill ``gain`` into ``rank``; ``src_rank``: each row's
+        fastest copy (``len(TIER_ORDER)`` = none: an admission)."""
+        pr = self._p(rows)
+        if pr is None or rows.size <= 4 * k:
+            return rows
+        c, bw = self.c, self.bw
+        inv_t = 1.0 / float(bw[rank])
+        # per source rank, gain <= p * b: from nowhere the whole value at ``rank``, from a slower copy the
+        # load time saved; plus slack for the rounding of a difference of two values
+        slack = 1e-12 * (self.tok_max * c + self.nb_max / float(bw.min()))
+        b = np.array([self.nb_max * max(0.0, 1.0 / float(x) - inv_t) for x in bw]) + slack
+        b[len(TIER_ORDER)] = self.tok_max * c - self.nb_min * inv_t + slack
+        bound = pr * b[src_rank]
+        probe = np.argpartition(-bound, 4 * k)[: 4 * k]  # the rows with the highest bounds
+        theta = float(-np.partition(-gain(rows[probe]), k - 1)[k - 1])  # k-th highest gain among them
+        if not theta > 0.0:
+            return rows
+        return rows[bound >= theta]
 
 
 def _smallest(values: npt.NDArray[np.float64], k: int) -> npt.NDArray[np.intp]:

@@ -195,7 +195,7 @@ def test_ingest_feeding_never_waits_for_a_tick_and_the_tick_serves_the_rest(tmp_
     resident: set[int] = set()
     for a, e in want:
         resident = (resident | a) - e
-    assert resident <= adm_all and {b for b in pl.desired} == resident
+    assert resident <= adm_all and set(pl.desired_blocks().tolist()) == resident
 
 
 def test_live_learned_matches_replay_through_retrains_and_reports_quality(tmp_path: Path) -> None:

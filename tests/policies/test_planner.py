@@ -153,3 +153,59 @@ def test_config_validation() -> None:
         TierSpec(Tier.GPU, 10, high_watermark=0.5, low_watermark=0.9)
     with pytest.raises(ValueError, match="duplicate"):
         PlannerConfig(tiers=(TierSpec(Tier.GPU, 1), TierSpec(Tier.GPU, 2)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_desired_tier_pruned_ranking_equals_ranking_every_candidate(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With many more fill / shed candidates than moves fit the budgets, the planner ranks only the rows
+    whose value bound can reach the k-th best of the likeliest ones; the moves (blocks, actions, values,
+    order) and the tried / deferred counts equal those of ranking every candidate. Mixed block sizes,
+    token counts and source tiers."""
+    import kvtier.policies.planner as planner_mod
+
+    rng = np.random.default_rng(seed)
+    n = 60_000
+    mask = rng.choice(np.array([0, 1, 2, 3, 4, 6], np.uint8), n, p=[0.3, 0.05, 0.25, 0.05, 0.25, 0.1])
+    want = rng.random(n) < 0.4
+    v = BlockView(
+        np.arange(1, n + 1, dtype=np.int64),
+        mask,
+        rng.integers(1, 64, n).astype(np.int32),
+        rng.integers(1 << 14, 1 << 20, n).astype(np.int64),
+        (rng.random(n) ** 3).astype(np.float32),
+        np.zeros(n, np.bool_),
+    )
+    c = PlannerConfig(
+        tiers=(
+            TierSpec(Tier.GPU, 4000, load_bandwidth_bytes_s=1e12),
+            TierSpec(Tier.CPU, 30_000, load_bandwidth_bytes_s=2e10),
+            TierSpec(Tier.DISK, n, load_bandwidth_bytes_s=2e9),
+        ),
+        default_budget=LinkBudget(bytes_per_s=1e12, ops_per_s=500.0),
+    )
+    kept: list[tuple[int, int]] = []
+    vb = planner_mod._ValueBounds
+    lowest, highest = vb.lowest_candidates, vb.highest_gain_candidates
+
+    def spy(fn):  # type: ignore[no-untyped-def]
+        def f(self, rows, *a):  # type: ignore[no-untyped-def]
+            out = fn(self, rows, *a)
+            kept.append((rows.size, out.size))
+            return out
+
+        return f
+
+    monkeypatch.setattr(planner_mod._ValueBounds, "lowest_candidates", spy(lowest))
+    monkeypatch.setattr(planner_mod._ValueBounds, "highest_gain_candidates", spy(highest))
+    pruned = Planner(c).plan(v, 10.0, desired={Tier.CPU: want})
+    assert len(kept) == 2 and all(after < before / 3 for before, after in kept)  # the pruning did prune
+    monkeypatch.setattr(planner_mod._ValueBounds, "lowest_candidates", lambda self, rows, *a: rows)
+    monkeypatch.setattr(planner_mod._ValueBounds, "highest_gain_candidates", lambda self, rows, *a: rows)
+    full = Planner(c).plan(v, 10.0, desired={Tier.CPU: want})
+    assert len(pruned.moves) > 400
+    assert [(m.action, m.block, m.src, m.dst, m.value_s) for m in pruned.moves] == [
+        (m.action, m.block, m.src, m.dst, m.value_s) for m in full.moves
+    ]
+    assert pruned.tried == full.tried and pruned.deferred == full.deferred and pruned.held == full.held

@@ -1,0 +1,68 @@
+"""PolicyPlacement's incremental desired set (row mask + block -> row map) against the policy's own
+resident set, with blocks the index learns about late and rows the index recycles. Pure unit test: a
+dict stands in for the index's hash -> row map (the mask logic only needs ``hashes`` + ``lookup``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier.controller.placement import PolicyPlacement
+from kvtier.policies.base import Request
+
+
+class Rows:
+    """Row table of an index: row -> block (``hashes``) and block -> row (``lookup``)."""
+
+    def __init__(self, n: int) -> None:
+        self.hashes = np.zeros(n, np.int64)
+        self.row: dict[int, int] = {}
+        self.epoch = 0
+
+    def put(self, block: int, row: int) -> None:
+        old = int(self.hashes[row])
+        if self.row.get(old) == row:
+            del self.row[old]
+            self.epoch += 1  # a row is reused for another block
+        self.hashes[row] = block
+        self.row[block] = row
+
+    def lookup(self, block: int) -> int:
+        return self.row.get(int(block), -1)
+
+
+@pytest.mark.parametrize("name", ["lru", "learned"])
+def test_desired_mask_tracks_the_policy_through_late_and_recycled_rows(name: str) -> None:
+    rng = np.random.default_rng(3)
+    rows = Rows(400)
+    pl = PolicyPlacement(name, 60, seed=1)
+    pl.lookup = rows.lookup
+    free = list(range(400))
+    rng.shuffle(free)
+    t = 1_000_000.0
+    universe = [k * 1000 + j for k in range(1, 40) for j in range(8)]  # every block a request can have
+    for step in range(300):
+        start = int(rng.integers(1, 40)) * 1000
+        chain = np.arange(start, start + int(rng.integers(1, 8)), dtype=np.int64)
+        for b in chain.tolist():  # most blocks reach the index before their request, some only after
+            if rows.lookup(b) < 0 and free and rng.random() < 0.8:
+                rows.put(b, free.pop())
+        pl.requests.submit(Request(t, len(chain) * 16, 0, chain, block_tokens=16))
+        t += 100.0
+        pl.feed(None)
+        if step % 7 == 0 and free:  # late stores
+            for b in set(pl.desired_blocks().tolist()):
+                if rows.lookup(b) < 0 and free:
+                    rows.put(b, free.pop())
+        if step % 50 == 49:  # the index recycles a few rows for new blocks
+            for r in rng.choice(400, 5, replace=False).tolist():
+                rows.put(10_000_000 + step * 10 + r, r)
+        epoch = rows.epoch if step % 3 else None  # None: no epoch known, every row checked
+        with pl.lock:  # a tick: new observe window, then the mask (as the loop does)
+            pl.observe()
+            mask = pl.desired_mask(rows.hashes, rows.lookup, epoch)
+        held = {b for b in pl.desired_blocks().tolist()}
+        assert held == {b for b in universe if pl.policy.contains(b)}
+        want = {int(rows.hashes[r]) for r in np.flatnonzero(mask).tolist()}
+        assert want == {b for b in held if rows.lookup(b) >= 0}, f"step {step}"
+    assert rows.epoch > 0 and len(held) > 20

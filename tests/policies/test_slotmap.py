@@ -1,0 +1,120 @@
+"""SlotMap (numpy open-addressing int64 -> int64 map) against a dict on seeded random operations, and
+LogitCache invalidation. Pure unit tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier.policies.slotmap import EMPTY, LogitCache, SlotMap
+
+_I64 = np.iinfo(np.int64)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_slotmap_matches_a_dict_on_random_operations(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    sm, d = SlotMap(16), {}
+    # a small key pool so keys collide, repeat and get deleted; edge values included
+    pool = rng.integers(_I64.min + 1, _I64.max, size=400, dtype=np.int64)
+    pool[:6] = [0, -1, 1, _I64.max, _I64.min, 1 << 40]
+    for _ in range(2500):
+        op = int(rng.integers(0, 6))
+        k = int(pool[rng.integers(0, pool.size)])
+        if op == 0:
+            v = int(rng.integers(-5, 1000))
+            sm.put(k, v)
+            d[k] = v
+        elif op == 1:
+            assert sm.pop(k, -7) == d.pop(k, -7)
+        elif op == 2:
+            assert sm.get(k, -9) == d.get(k, -9)
+            assert (k in sm) == (k in d)
+            if k in d:
+                assert sm[k] == d[k]
+            else:
+                with pytest.raises(KeyError):
+                    sm[k]
+        elif op == 3:  # batched puts, small (scalar path) or large (vectorised), repeated keys: last wins
+            size = int(rng.choice([5, 40, 300, 700]))
+            ks = pool[rng.integers(0, pool.size, size=size)]
+            vs = rng.integers(0, 100, size=size)
+            sm.put_many(ks, vs)
+            d.update(zip(ks.tolist(), vs.tolist(), strict=True))
+        elif op == 4:
+            size = int(rng.choice([3, 30, 300, 900]))
+            ks = pool[rng.integers(0, pool.size, size=size)]
+            assert sm.get_many(ks, -3).tolist() == [d.get(a, -3) for a in ks.tolist()]
+            assert sm.get_list(ks.tolist(), -4) == [d.get(a, -4) for a in ks.tolist()]
+        else:
+            ks = pool[rng.integers(0, pool.size, size=int(rng.integers(0, 20)))].tolist()
+            vs = rng.integers(0, 50, size=len(ks)).tolist()
+            sm.put_list(ks, vs)
+            d.update(zip(ks, vs, strict=True))
+        assert len(sm) == len(d)
+    keys, vals = sm.items()
+    assert dict(zip(keys.tolist(), vals.tolist(), strict=True)) == d
+    sm.clear()
+    assert len(sm) == 0 and sm.get(int(pool[0])) == -1
+
+
+def test_slotmap_grows_and_stays_compact() -> None:
+    rng = np.random.default_rng(7)
+    keys = np.unique(rng.integers(_I64.min, _I64.max, size=200_000, dtype=np.int64))
+    sm = SlotMap()
+    sm.put_many(keys, np.arange(keys.size))
+    assert len(sm) == keys.size
+    q = rng.permutation(keys)[:50_000]
+    assert (keys[sm.get_many(q)] == q).all()
+    absent = rng.integers(_I64.min, _I64.max, size=1000, dtype=np.int64)
+    absent = absent[~np.isin(absent, keys)]
+    assert (sm.get_many(absent) == -1).all()
+    # at most 2 buckets of 16 bytes per entry after growth... plus the power-of-two rounding
+    assert sm.nbytes <= 4 * 16 * keys.size
+    for k in q[:2000].tolist():  # deletions keep the other keys reachable (backward shift)
+        assert sm.pop(k) >= 0
+    rest = np.setdiff1d(keys, q[:2000])
+    assert (keys[sm.get_many(rest)] == rest).all()
+    assert (sm.get_many(q[:2000]) == -1).all()
+
+
+def test_slotmap_rejects_its_sentinel_value() -> None:
+    sm = SlotMap()
+    with pytest.raises(ValueError):
+        sm.put(1, int(EMPTY))
+    with pytest.raises(ValueError):
+        sm.put_many(np.arange(300), np.full(300, EMPTY))
+
+
+def test_logit_cache_recomputes_only_changed_events_and_versions() -> None:
+    calls: list[list[int]] = []
+
+    def compute(ev: np.ndarray) -> np.ndarray:
+        calls.append(ev.tolist())
+        return ev.astype(np.float64) * 10.0
+
+    c = LogitCache()
+    slots = np.array([0, 5, 2000])
+    assert c.get(slots, np.array([1, 2, 3]), "v1", compute).tolist() == [10.0, 20.0, 30.0]
+    assert c.get(slots, np.array([1, 2, 3]), "v1", compute).tolist() == [10.0, 20.0, 30.0]
+    assert calls == [[1, 2, 3]]  # second lookup: all cached
+    assert c.get(slots, np.array([1, 9, 3]), "v1", compute).tolist() == [10.0, 90.0, 30.0]
+    assert calls[-1] == [9]  # only the slot with a new access event
+    assert c.get(slots, np.array([1, 9, 3]), "v2", compute).tolist() == [10.0, 90.0, 30.0]
+    assert calls[-1] == [1, 9, 3]  # a new model version invalidates everything
+
+
+def test_logit_cache_warm_fills_stale_entries_ahead_of_lookups() -> None:
+    calls: list[list[int]] = []
+
+    def compute(ev: np.ndarray) -> np.ndarray:
+        calls.append(ev.tolist())
+        return ev.astype(np.float64) + 0.5
+
+    c = LogitCache()
+    slots, ev = np.array([3, 1, 7]), np.array([30, 10, 70])
+    assert c.warm(slots, ev, 1, compute) == 3
+    assert c.warm(slots, ev, 1, compute) == 0  # nothing stale
+    assert c.get(slots, ev, 1, compute).tolist() == [30.5, 10.5, 70.5]
+    assert calls == [[30, 10, 70]]  # the lookup was served from the warmed entries
+    assert c.warm(slots, ev, 2, compute) == 3  # a new version: all stale again
