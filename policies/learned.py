@@ -30,6 +30,7 @@ from kvtier.policies.slotmap import LogitCache, SlotMap
 
 _I64 = np.int64
 DEFAULT_EXPERTS = ("arc",)  # classic policies shadowed at full size as experts next to the learned planner
+_REKEY_CHUNK = 16384  # rows per model call when re-keying every resident block after a refit
 _LEAD_BIAS = 1e12  # added to the real cache's key of a block the followed expert holds (keys are O(1e6))
 
 
@@ -547,8 +548,9 @@ class LearnedPolicy(Policy):
         if res.size:
             ev = self._last_event[res]
             live = ev > self._n_events - self._E
-            x = self._ev_x[ev[live] % self._E].astype(np.float64)
-            z[res[live]] = self.model.predict_logit(x) if self.model.trained else fallback_logit(x)
+            ev, res = ev[live], res[live]
+            for i in range(0, ev.shape[0], _REKEY_CHUNK):  # bounded temporaries (features, bins)
+                z[res[i : i + _REKEY_CHUNK]] = self._logit_of_events(ev[i : i + _REKEY_CHUNK])
         last_s = self._last_ms[:n] / 1000.0
         for pl in planners:
             own = pl is self._real and not self._aliased()
