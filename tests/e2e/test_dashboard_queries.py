@@ -48,6 +48,11 @@ SCRAPED: dict[str, str] = {
 # Contract metrics (dashboards/METRICS.md) that no merged code emits yet: issue 4's controller metrics and the
 # tier-level figures. Queries reading one are reported PENDING and must return nothing; once one returns data
 # the test fails until its metric is removed here, so this set only shrinks (empty = the issue's goal).
+LATE_COUNTERS = (
+    "lmcache_mp_l2_store_completed_objects_chunks_total",
+    "lmcache_mp_lookup_hit_l2_tokens_total",
+    "lmcache_mp_l2_prefetch_load_completed_chunks_total",
+)
 PENDING: set[str] = set()  # all landed: controller metrics (control) and tier figures (kvtier demo)
 # Grafana's $__rate_interval for this run: long enough to span the whole traffic phase.
 VARS = {"__rate_interval": "2m"}
@@ -293,6 +298,10 @@ def traffic(stack: Stack, prometheus: promlib.Prometheus) -> int:
     sent = drive_traffic(stack)
     prometheus.wait_until("sum(vllm:request_success_total)", lambda v: v >= base + sent, timeout_s=120)
     prometheus.wait_until("sum(lmcache_mp_lookups_requests_total)", lambda v: v > lookups_base, timeout_s=120)
+    # LMCache creates these counters at their first increment, late in the traffic: ``rate(...[2m])``
+    # needs two samples of the new series, so wait until Prometheus holds two of each
+    for name in LATE_COUNTERS:
+        prometheus.wait_until(f"min(count_over_time({name}[2m]))", lambda v: v >= 2, timeout_s=120)
     return sent
 
 
