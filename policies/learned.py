@@ -9,6 +9,12 @@ child stays resident; the in-flight request's blocks are ancestors of the block 
 resident set stays prefix-closed. Admission is a bypass: a missed block is inserted and, if it is itself
 the smallest key, dropped again with the rest of the request.
 
+Experts: full-size shadow caches serve every request too -- the learned planner alone at recency scales
+``tau x learned_mults`` and the classic policies named in ``experts`` (default ARC). The real cache
+follows the one with a significant paired lead in prefix-hit tokens over a decayed window; on a switch
+it keeps its contents and evicts first what the new leader does not hold (no block appears without a
+miss).
+
 Causal: a training row is (features of an access, age a) -> "next access in (a, a + h]", used only
 once ``a + h`` has passed; ``h`` and the ages follow the cache's own time scale (ages of recently
 evicted blocks). Until the first fit, a heuristic (tail penalty, frequency bonus, ``tau`` = 60 s) is
