@@ -34,6 +34,16 @@ class Request:
     block_tokens: int = 512  # tokens per block
 
 
+def prefix_tokens(req: Request, n_lead: int) -> int:
+    """Reusable tokens of ``req`` given its first ``n_lead`` blocks hit (0 for a request without blocks)."""
+    n = len(req.hash_ids)
+    if n == 0:
+        return 0
+    if n_lead >= n:
+        return req.input_length
+    return min(n_lead * req.block_tokens, req.input_length)
+
+
 class Policy(ABC):
     """A fixed-capacity block cache that decides admission and eviction.
 

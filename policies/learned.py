@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.policies.base import HitMask, Policy, Request
+from kvtier.policies.base import HitMask, Policy, Request, prefix_tokens
 from kvtier.policies.features import FEATURE_NAMES, N_FEATURES, fallback_logit, request_features
 from kvtier.policies.keyed_planner import KeyedPlanner
 from kvtier.policies.predictor import BinnedLogit, auc, brier, reliability, sigmoid
@@ -41,9 +41,9 @@ _LEAD_BIAS = 1e12  # added to the real cache's key of a block the followed exper
 
 
 def _prefix_tokens(hit: npt.NDArray[np.bool_], req: Request) -> float:
-    """Prefix-hit tokens of one request from its hit mask (all blocks hit: the whole input)."""
+    """Prefix-hit tokens of one request from its hit mask (non-empty)."""
     k = int(hit.argmin())  # the first miss, or 0 if every block hit
-    return float(req.input_length) if hit[k] else float(k * req.block_tokens)
+    return float(prefix_tokens(req, hit.shape[0] if hit[k] else k))
 
 
 class LearnedPolicy(Policy):
@@ -99,7 +99,6 @@ class LearnedPolicy(Policy):
         # experts, each a full-size shadow cache over the same stream: 0 is the learned planner on its own,
         # then the classic policies named in ``experts``. The real cache follows the best recent one.
         self._keyed = [KeyedPlanner(capacity_blocks, m, cap0) for m in learned_mults]
-        self._real = KeyedPlanner(capacity_blocks, recency_mult, cap0)
         from kvtier.policies.registry import get_policy  # lazy: the registry imports this module
 
         self._classic = [get_policy(e, capacity_blocks, seed) for e in experts] if capacity_blocks > 0 else []
@@ -110,8 +109,9 @@ class LearnedPolicy(Policy):
         # membership of each classic expert's resident set, per slot (advisory: it only biases eviction)
         self._member = [np.zeros(cap0, dtype=bool) for _ in self._classic]
         self._lead = learned_mults.index(recency_mult) if recency_mult in learned_mults else 0
-        if self._keyed and self._keyed[self._lead].mult == recency_mult:
-            self._real = self._keyed[self._lead]  # aliased until the first switch (see _maybe_alias)
+        # the real cache is the leading learned expert itself until the first switch (see _maybe_alias)
+        aliased = bool(self._keyed) and self._keyed[self._lead].mult == recency_mult
+        self._real = self._keyed[self._lead] if aliased else KeyedPlanner(capacity_blocks, recency_mult, cap0)
         self._switches = 0
         # paired expert statistics over the same requests (decayed): per-expert prefix-hit tokens S, and
         # pairwise differences D[i, j] = sum(h_i - h_j) and their squares Q[i, j]

@@ -323,12 +323,7 @@ class LogitCache:
         """Values for ``slots`` (>= 0) whose last events are ``events``; misses via ``compute(events)``."""
         if slots.size == 0:
             return np.zeros(0, dtype=np.float64)
-        self._prepare(slots, version)
-        miss = np.flatnonzero(self._ev[slots] != events)
-        if miss.size:
-            ms = slots[miss]
-            self._val[ms] = _chunked(compute, events[miss])
-            self._ev[ms] = events[miss]
+        self.warm(slots, events, version, compute)
         return self._val[slots]
 
     def warm(

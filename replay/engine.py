@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtier.policies.base import Policy, Request
+from kvtier.policies.base import Policy, Request, prefix_tokens
 
 if TYPE_CHECKING:
     from kvtier.replay.tiers import TierStack
@@ -101,16 +101,6 @@ class ReplayStats:
         if self.extra:
             d.update(self.extra)
         return d
-
-
-def prefix_tokens(req: Request, n_lead: int) -> int:
-    """Reusable tokens of ``req`` given its first ``n_lead`` blocks hit (0 for a request without blocks)."""
-    n = len(req.hash_ids)
-    if n == 0:
-        return 0
-    if n_lead >= n:
-        return req.input_length
-    return min(n_lead * req.block_tokens, req.input_length)
 
 
 def replay(
