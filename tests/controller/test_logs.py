@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import logging
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import httpx
 
 from kvtier.controller.logs import configure_logging
+from tests.peers.http_server import serving
 
 
 class _Ok(BaseHTTPRequestHandler):
@@ -26,19 +24,6 @@ class _Ok(BaseHTTPRequestHandler):
         pass
 
 
-@contextlib.contextmanager
-def serving() -> Iterator[str]:
-    """A real HTTP server on 127.0.0.1 (ephemeral port) in a thread."""
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Ok)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}/"
-    finally:
-        srv.shutdown()
-        srv.server_close()
-
-
 def _capture(level: str, *, json_lines: bool = False) -> io.StringIO:
     configure_logging(level, json_lines=json_lines)
     buf = io.StringIO()
@@ -49,7 +34,7 @@ def _capture(level: str, *, json_lines: bool = False) -> io.StringIO:
 def test_peer_requests_are_not_logged_at_info_but_are_at_debug() -> None:
     """A real HTTP request through httpx against a loopback server."""
     try:
-        with serving() as url:
+        with serving(_Ok) as url:
             buf = _capture("INFO")
             httpx.get(url, timeout=5).raise_for_status()
             logging.getLogger("kvtier.test").info("own line")

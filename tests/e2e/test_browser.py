@@ -4,13 +4,13 @@ after a fetch), and the screenshot is a PNG of the requested size showing what t
 from __future__ import annotations
 
 import http.server
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.browser import dump_dom, png_size, screenshot
+from tests.peers.http_server import serving
 
 pytestmark = pytest.mark.browser
 
@@ -40,14 +40,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}/"
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    with serving(Handler) as url:
+        yield url
 
 
 def test_dump_dom_runs_scripts(server: str) -> None:
