@@ -95,3 +95,151 @@ class ARCPolicy(Policy):
         if self._t1.pop(block, 0) is None:
             return True
         return self._t2.pop(block, 0) is None
+
+
+_T1, _T2, _B1, _B2 = 1, 2, 3, 4  # list ids in SlotARC.where (0 = in no list)
+
+
+class SlotARC:
+    """:class:`ARCPolicy` over dense slots ``0..size-1`` (same decisions, ids replaced by slots): the four
+    lists are intrusive doubly linked lists in int32 arrays (``prev``/``next``) plus a uint8 list id per
+    slot, 9 bytes per slot instead of an OrderedDict entry and an int object (~130 bytes) per block.
+    Used as a full-size shadow expert by ``learned``, whose slots never change once assigned."""
+
+    name = "arc"
+
+    def __init__(self, capacity_blocks: int, size: int) -> None:
+        self.capacity_blocks = capacity_blocks
+        self.where = np.zeros(size, dtype=np.uint8)
+        self.prev = np.full(size, -1, dtype=np.int32)
+        self.next = np.full(size, -1, dtype=np.int32)
+        self.head = [-1] * 5  # per list id: LRU end
+        self.tail = [-1] * 5  # per list id: MRU end
+        self.count = [0] * 5
+        self._p = 0.0
+        self._views()
+
+    def _views(self) -> None:
+        self._w, self._pv, self._nx = self.where.data, self.prev.data, self.next.data
+
+    def grow(self, new: int) -> None:
+        """Room for slots ``0..new-1``."""
+        size = self.where.shape[0]
+        if new <= size:
+            return
+        if new > np.iinfo(np.int32).max:
+            raise OverflowError("SlotARC: more than 2**31 - 1 slots")
+        for name, fill in (("where", 0), ("prev", -1), ("next", -1)):
+            old = getattr(self, name)
+            arr = np.full(new, fill, dtype=old.dtype)
+            arr[:size] = old
+            setattr(self, name, arr)
+        self._views()
+
+    def __len__(self) -> int:
+        return self.count[_T1] + self.count[_T2]
+
+    def contains(self, slot: int) -> bool:
+        return self.where[slot] in (_T1, _T2)
+
+    def _unlink(self, x: int) -> int:
+        """Take ``x`` out of its list; return that list's id."""
+        w, pv, nx = self._w, self._pv, self._nx
+        lst = w[x]
+        a, b = pv[x], nx[x]
+        if a >= 0:
+            nx[a] = b
+        else:
+            self.head[lst] = b
+        if b >= 0:
+            pv[b] = a
+        else:
+            self.tail[lst] = a
+        self.count[lst] -= 1
+        w[x] = 0
+        return lst
+
+    def _append(self, x: int, lst: int) -> None:
+        """Put ``x`` (in no list) at the MRU end of ``lst``."""
+        pv, nx = self._pv, self._nx
+        t = self.tail[lst]
+        pv[x] = t
+        nx[x] = -1
+        if t >= 0:
+            nx[t] = x
+        else:
+            self.head[lst] = x
+        self.tail[lst] = x
+        self.count[lst] += 1
+        self._w[x] = lst
+
+    def _pop_lru(self, lst: int) -> int:
+        x = self.head[lst]
+        self._unlink(x)
+        return x
+
+    def _replace(self, in_b2: bool, evicted: list[int]) -> None:
+        n1 = self.count[_T1]
+        if n1 and (n1 > self._p or (in_b2 and n1 == self._p)):
+            b = self._pop_lru(_T1)
+            self._append(b, _B1)
+        elif self.count[_T2]:
+            b = self._pop_lru(_T2)
+            self._append(b, _B2)
+        else:
+            b = self._pop_lru(_T1)
+            self._append(b, _B1)
+        evicted.append(b)
+
+    def access(self, slots: list[int], evicted: list[int]) -> list[bool]:
+        """Serve one request's slots in order; return the hit per slot; evicted slots go to ``evicted``."""
+        hits = [False] * len(slots)
+        c = self.capacity_blocks
+        if c == 0:
+            return hits
+        w = self._w
+        cnt = self.count
+        unlink, append, replace, pop_lru = self._unlink, self._append, self._replace, self._pop_lru
+        for i, x in enumerate(slots):
+            lst = w[x]
+            if lst == _T1:
+                unlink(x)
+                append(x, _T2)
+                hits[i] = True
+            elif lst == _T2:
+                if self.tail[_T2] != x:  # move_to_end
+                    unlink(x)
+                    append(x, _T2)
+                hits[i] = True
+            elif lst == _B1:
+                self._p = min(float(c), self._p + max(cnt[_B2] / cnt[_B1], 1.0))
+                if cnt[_T1] + cnt[_T2] >= c:
+                    replace(False, evicted)
+                unlink(x)
+                append(x, _T2)
+            elif lst == _B2:
+                self._p = max(0.0, self._p - max(cnt[_B1] / cnt[_B2], 1.0))
+                if cnt[_T1] + cnt[_T2] >= c:
+                    replace(True, evicted)
+                unlink(x)
+                append(x, _T2)
+            else:
+                n1 = cnt[_T1]
+                l1 = n1 + cnt[_B1]
+                if l1 == c:
+                    if n1 < c:
+                        pop_lru(_B1)
+                        if n1 + cnt[_T2] >= c:
+                            replace(False, evicted)
+                    else:
+                        evicted.append(pop_lru(_T1))
+                elif l1 < c:
+                    n2 = cnt[_T2]
+                    total = l1 + n2 + cnt[_B2]
+                    if total >= c:
+                        if total >= 2 * c:
+                            pop_lru(_B2)
+                        if n1 + n2 >= c:
+                            replace(False, evicted)
+                append(x, _T1)
+        return hits

@@ -32,6 +32,7 @@ from kvtier.policies.base import HitMask, Policy, Request, prefix_tokens
 from kvtier.policies.features import FEATURE_NAMES, N_FEATURES, fallback_logit, request_features
 from kvtier.policies.keyed_planner import KeyedPlanner
 from kvtier.policies.predictor import BinnedLogit, auc, brier, reliability, sigmoid
+from kvtier.policies.slot_expert import make_expert
 from kvtier.policies.slotmap import LogitCache, SlotMap
 
 _I64 = np.int64
@@ -99,9 +100,9 @@ class LearnedPolicy(Policy):
         # experts, each a full-size shadow cache over the same stream: 0 is the learned planner on its own,
         # then the classic policies named in ``experts``. The real cache follows the best recent one.
         self._keyed = [KeyedPlanner(capacity_blocks, m, cap0) for m in learned_mults]
-        from kvtier.policies.registry import get_policy  # lazy: the registry imports this module
-
-        self._classic = [get_policy(e, capacity_blocks, seed) for e in experts] if capacity_blocks > 0 else []
+        self._classic = [
+            make_expert(e, capacity_blocks, seed, cap0, self._slot) for e in experts if capacity_blocks > 0
+        ]
         self.expert_names = [
             "learned" if m == 1.0 else f"learned-tau-x{m:g}" for m in learned_mults
         ] + [e for e in experts if capacity_blocks > 0]
@@ -167,6 +168,8 @@ class LearnedPolicy(Policy):
             setattr(self, name, arr)
         for pl in self._planners():
             pl.grow(new)
+        for ex in self._classic:
+            ex.grow(new)
         for i, m in enumerate(self._member):
             arr = np.zeros(new, dtype=bool)
             arr[:size] = m
@@ -293,15 +296,12 @@ class LearnedPolicy(Policy):
                 if aliased:
                     hit, ev = h, lost
         nk = self._n_keyed
-        for i, pol in enumerate(self._classic):
-            h = pol.access(req)
+        for i, ex in enumerate(self._classic):
+            h, es = ex.serve(req, slots)
             toks[nk + i] = _prefix_tokens(h, req)
             mem = self._member[i]
             mem[slots] = True
-            gone = pol.drain_evicted()
-            if gone:
-                es = self._slot.get_many(np.asarray(gone, dtype=_I64))  # -1: never seen
-                es = es[es >= 0]
+            if len(es):
                 mem[es] = False
                 if nk + i == self._lead:
                     dropped = es
