@@ -26,7 +26,7 @@ import numpy.typing as npt
 from kvtier.collectors.kv_requests import RequestInferrer
 from kvtier.policies.base import Policy
 from kvtier.policies.registry import get_policy
-from kvtier.policies.slotmap import SlotMap
+from kvtier.policies.slotmap import SlotMap, grown_size
 from kvtier.policies.tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -274,8 +274,8 @@ class PolicyPlacement:
 
 
 def _grown(a: npt.NDArray[Any], n: int, fill: Any) -> npt.NDArray[Any]:
-    """``a`` extended to at least ``n`` entries (doubling), new ones ``fill``."""
-    out = np.full(max(n, 2 * a.shape[0], 1024), fill, dtype=a.dtype)
+    """``a`` extended to at least ``n`` entries (doubling, +25 % once large), new ones ``fill``."""
+    out = np.full(grown_size(a.shape[0], n), fill, dtype=a.dtype)
     out[: a.shape[0]] = a
     return out
 

@@ -29,11 +29,11 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.policies.base import HitMask, Policy, Request, prefix_tokens
-from kvtier.policies.features import FEATURE_NAMES, N_FEATURES, fallback_logit, request_features
+from kvtier.policies.features import FEATURE_NAMES, FeatureRing, fallback_logit, request_features
 from kvtier.policies.keyed_planner import KeyedPlanner
 from kvtier.policies.predictor import BinnedLogit, auc, brier, reliability, sigmoid
 from kvtier.policies.slot_expert import make_expert
-from kvtier.policies.slotmap import LogitCache, SlotMap
+from kvtier.policies.slotmap import LogitCache, SlotMap, grown_size
 
 _I64 = np.int64
 DEFAULT_EXPERTS = ("arc",)  # classic policies shadowed at full size as experts next to the learned planner
@@ -90,8 +90,8 @@ class LearnedPolicy(Policy):
         self._slot = SlotMap(cap0)
         self._zcache = LogitCache()  # f(x) of each slot's last access, for reuse_probability
         self._ids = np.zeros(cap0, dtype=_I64)
-        self._parent = np.full(cap0, -1, dtype=_I64)
-        self._children = np.zeros(cap0, dtype=_I64)
+        self._parent = np.full(cap0, -1, dtype=np.int32)  # slots fit int32 (_grow checks)
+        self._children = np.zeros(cap0, dtype=np.int32)  # <= number of slots
         self._freq = np.zeros(cap0, dtype=_I64)
         self._last_ms = np.zeros(cap0, dtype=np.float64)
         self._turn = np.zeros(cap0, dtype=_I64)
@@ -128,7 +128,7 @@ class LearnedPolicy(Policy):
         self._n_evict_age = 0
         # ring of past accesses (features + outcome) for training and self-evaluation
         self._E = event_buffer
-        self._ev_x = np.zeros((self._E, N_FEATURES), dtype=np.float32)
+        self._ev_x = FeatureRing(self._E)  # reads as float32 features (int16 for the small-int columns)
         self._ev_t = np.zeros(self._E, dtype=np.float64)
         self._ev_y = np.zeros(self._E, dtype=bool)
         self._ev_gap = np.zeros(self._E, dtype=np.float64)
@@ -152,7 +152,9 @@ class LearnedPolicy(Policy):
         size = self._ids.shape[0]
         if need <= size:
             return
-        new = max(need, 2 * size)
+        new = grown_size(size, need)
+        if new > np.iinfo(np.int32).max:
+            raise OverflowError("learned: more than 2**31 - 1 block slots")
         for name, fill in (
             ("_ids", 0),
             ("_parent", -1),
