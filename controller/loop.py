@@ -583,6 +583,29 @@ class ReconcileLoop:
         pin_tokens = self.pins.tokens(now)
         active = self.policy.mode == "active"
         groups: dict[tuple[str, str, Tier | None, Tier | None], list[tuple[Move, Decision, BlockRef]]] = {}
+        # per-decision counter increments, summed and applied once per label set after the loop (same
+        # totals; a locked inc() per decision cost ~3 us each)
+        tally: Counter[tuple[Any, tuple[str, ...]]] = Counter()
+        try:
+            self._decide(moves, view, now, rep, active, pin_tokens, groups, tally)
+        finally:
+            for (metric, labels), k in tally.items():
+                self._child(metric, *labels).inc(k)
+        self._actuate(groups, rep)
+
+    def _decide(
+        self,
+        moves: list[Move],
+        view: BlockView,
+        now: float,
+        rep: TickReport,
+        active: bool,
+        pin_tokens: dict[int, Any],
+        groups: dict[tuple[str, str, Tier | None, Tier | None], list[tuple[Move, Decision, BlockRef]]],
+        tally: Counter[tuple[Any, tuple[str, ...]]],
+    ) -> None:
+        """One :class:`Decision` per move: recorded at once when nothing applies it (shadow), else queued
+        in its actuator group. Counter increments go to ``tally``."""
         for m in moves:
             act = self._actuator_for(m) if active else None
             r = view.lookup(m.block) if view.lookup else -1
@@ -602,16 +625,23 @@ class ReconcileLoop:
                 tokens=self.policy.block_size_tokens,
                 freq0=freq0,
             )
-            self._child(self.metrics.decisions, m.action, d.tier or "none").inc()
+            tally[(self.metrics.decisions, (m.action, d.tier or "none"))] += 1
             rep.decisions += 1
             if act is None:
                 d.outcome = "shadow"
                 d.detail = "shadow mode" if not active else "no actuator supports it"
-                self._record(d, rep)
-                self._child(self.metrics.actuations, "shadow", m.action, "shadow").inc()
+                self._record(d, rep, tally)
+                tally[(self.metrics.actuations, ("shadow", m.action, "shadow"))] += 1
                 continue
             ref = self._ref(m, pin_tokens)
             groups.setdefault((act.name, m.action, m.src, m.dst), []).append((m, d, ref))
+
+    def _actuate(
+        self,
+        groups: dict[tuple[str, str, Tier | None, Tier | None], list[tuple[Move, Decision, BlockRef]]],
+        rep: TickReport,
+    ) -> None:
+        """One actuator call per (layer, action, src, dst) group; record each decision's outcome."""
         by_name = {a.name: a for a in self.actuators}
         for (name, action, src, dst), items in groups.items():
             act = by_name[name]
@@ -754,10 +784,15 @@ class ReconcileLoop:
             c = self._children[key] = metric.labels(*labels)
         return c
 
-    def _record(self, d: Decision, rep: TickReport) -> None:
+    def _record(
+        self, d: Decision, rep: TickReport, tally: Counter[tuple[Any, tuple[str, ...]]] | None = None
+    ) -> None:
         self.decisions.add(d)
         rep.outcomes[d.outcome] += 1
-        self._child(self.metrics.decision_outcomes, d.action, d.outcome).inc()
+        if tally is None:
+            self._child(self.metrics.decision_outcomes, d.action, d.outcome).inc()
+        else:
+            tally[(self.metrics.decision_outcomes, (d.action, d.outcome))] += 1
 
     # -- counterfactual scoring ----------------------------------------------------------------------------
     def _score(self, now: float) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Literal
 
 import numpy as np
@@ -41,6 +42,7 @@ NOWHERE = "none"  # link end for admissions (recompute / load from outside) and 
 
 
 _BITS = {t: 1 << i for i, t in enumerate(TIER_ORDER)}
+_AT, _CLEAR, _PUT = itemgetter(0), itemgetter(2), itemgetter(3)  # fields of Planner._last_move values
 # residency mask -> rank of its fastest tier (len(TIER_ORDER) when empty), as a 256-entry lookup table
 _FIRST_RANK = np.array(
     [next((r for r in range(len(TIER_ORDER)) if m >> r & 1), len(TIER_ORDER)) for m in range(256)], np.int8
@@ -270,7 +272,7 @@ class Planner:
         if not lm:
             return recent, mask
         vals = list(lm.values())
-        at = np.fromiter((v[0] for v in vals), np.float64, len(vals))
+        at = np.fromiter(map(_AT, vals), np.float64, len(vals))  # (map + itemgetter: no Python frames)
         live = at > horizon
         if not live.any():
             return recent, mask
@@ -279,8 +281,8 @@ class Planner:
         ok = rows >= 0
         if not ok.any():
             return recent, mask
-        clear = np.fromiter((v[2] for v in vals), np.uint8, len(vals))[live][ok]
-        put = np.fromiter((v[3] for v in vals), np.uint8, len(vals))[live][ok]
+        clear = np.fromiter(map(_CLEAR, vals), np.uint8, len(vals))[live][ok]
+        put = np.fromiter(map(_PUT, vals), np.uint8, len(vals))[live][ok]
         rows = rows[ok]
         recent[rows] = True
         mask = mask.copy()
