@@ -375,8 +375,9 @@ class ReconcileLoop:
             tier_mask=mask,
             tokens=self._tokens_buf,
             nbytes=nbytes,
-            p_reuse=np.zeros(n, np.float32),
-            admittable=np.zeros(n, np.bool_),
+            # placeholders until the predict phase builds the real view (read-only, no memory)
+            p_reuse=np.broadcast_to(np.float32(0.0), (n,)),
+            admittable=np.broadcast_to(np.False_, (n,)),
             lookup=idx.slot_of,
             lookup_many=getattr(idx, "slots_of_keys", None),
         )

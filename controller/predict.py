@@ -15,10 +15,9 @@ import numpy.typing as npt
 from kvtier.policies.index import BlockIndex
 
 Probs = npt.NDArray[np.float32]
-# freq clipped (then reused as float32 for the NaN fill), age, tau, NaN mask
-_Scratch = tuple[
-    npt.NDArray[np.uint32], npt.NDArray[np.float32], npt.NDArray[np.float32], npt.NDArray[np.bool_]
-]
+# freq clipped (then reused as float32 for tau), age, NaN mask
+_Scratch = tuple[npt.NDArray[np.uint32], npt.NDArray[np.float32], npt.NDArray[np.bool_]]
+_FILL_CHUNK = 65_536  # rows per step of the NaN fill (bounds its float32 temporary)
 _FREQ_TERM = (1.0 - np.exp(-np.arange(65, dtype=np.float32) / 2.0)).astype(np.float32)
 
 
@@ -52,8 +51,7 @@ class HeuristicPredictor:
         try:
             sc = self._scratch
             if sc is None or sc[0].shape[0] != n:
-                z32 = np.zeros(n, np.float32)
-                sc = self._scratch = (np.zeros(n, np.uint32), z32, z32.copy(), np.zeros(n, np.bool_))
+                sc = self._scratch = (np.zeros(n, np.uint32), np.zeros(n, np.float32), np.zeros(n, np.bool_))
             return self._predict(index, n, now_ms, sc)
         finally:
             self._scratch_lock.release()
@@ -74,19 +72,24 @@ class HeuristicPredictor:
         now = np.float64(now_ms)
         if sc is not None:
             age = np.subtract(now, index.last_access[:n], dtype=np.float32, out=sc[1])
-            tau = np.multiply(index.gap_ewma[:n], np.float32(4.0), out=sc[2])
+            # the clipped freq is used up (p holds its table values): its buffer takes tau
+            tau = np.multiply(index.gap_ewma[:n], np.float32(4.0), out=sc[0].view(np.float32))
         else:
             age = np.subtract(now, index.last_access[:n], dtype=np.float32)
             tau = index.gap_ewma[:n] * np.float32(4.0)
         np.maximum(age, 0.0, out=age)
-        nan = np.isnan(tau, out=sc[3]) if sc is not None else np.isnan(tau)
+        nan = np.isnan(tau, out=sc[2]) if sc is not None else np.isnan(tau)
         fill = np.float32(self.tau_ms)
-        if np.isfinite(fill) and np.float32(4.0) + (fill - np.float32(4.0)) == fill:
+        step = np.float32(fill - np.float32(4.0))
+        if np.isfinite(fill) and np.float32(4.0) + step == fill:
             # branch-free (a masked store over a random mask costs ~5 ms at 1M rows): fmax turns NaN into
             # 4, then NaN rows get + (fill - 4) = fill exactly (checked above), the others + 0.0
             np.fmax(tau, np.float32(4.0), out=tau)
-            buf = sc[0].view(np.float32) if sc is not None else None  # the clipped freq is used up by now
-            tau += np.multiply(nan, fill - np.float32(4.0), dtype=np.float32, out=buf)
+            buf = np.empty(min(n, _FILL_CHUNK), np.float32)
+            for lo in range(0, n, _FILL_CHUNK):
+                hi = min(n, lo + _FILL_CHUNK)
+                b = np.multiply(nan[lo:hi], step, dtype=np.float32, out=buf[: hi - lo])
+                tau[lo:hi] += b
         else:
             np.maximum(tau, np.float32(4.0), out=tau)
             np.putmask(tau, nan, fill)

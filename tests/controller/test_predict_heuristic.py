@@ -21,7 +21,7 @@ def _reference(index: BlockIndex, n: int, now_ms: float, tau_ms: float) -> np.nd
 @pytest.mark.parametrize("tau_ms", [300_000.0, 12_345.678, 0.3, 1e30, float("inf")])
 def test_heuristic_matches_the_reference_formula_exactly(tau_ms: float) -> None:
     rng = np.random.default_rng(7)
-    n = 50_000
+    n = 150_001  # > 2 chunks of the NaN fill, the last one partial
     idx = BlockIndex(initial_capacity=n)
     idx.freq[:n] = rng.integers(0, 100, n).astype(np.uint32)
     idx.last_access[:n] = rng.uniform(0, 4e6, n)
