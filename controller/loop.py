@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -607,9 +608,8 @@ class ReconcileLoop:
     ) -> None:
         """One :class:`Decision` per move: recorded at once when nothing applies it (shadow), else queued
         in its actuator group. Counter increments go to ``tally``."""
-        for m in moves:
+        for m, r in zip(moves, self._rows_of_moves(moves, view), strict=True):
             act = self._actuator_for(m) if active else None
-            r = view.lookup(m.block) if view.lookup else -1
             freq0 = int(self.index.freq[r]) if r >= 0 else -1
             d = Decision(
                 id=self.decisions.new_id(),
@@ -619,7 +619,7 @@ class ReconcileLoop:
                 block=m.block,
                 src=m.src.value if m.src else None,
                 tier=_tier_name(m.dst or m.src),
-                value_s=m.value_s if np.isfinite(m.value_s) else 1e9,
+                value_s=m.value_s if math.isfinite(m.value_s) else 1e9,
                 p_reuse=float(view.p_reuse[r]) if r >= 0 else 1.0,
                 pinned=m.pinned,
                 layer=act.name if act else "shadow",
@@ -636,6 +636,21 @@ class ReconcileLoop:
                 continue
             ref = self._ref(m, pin_tokens)
             groups.setdefault((act.name, m.action, m.src, m.dst), []).append((m, d, ref))
+
+    @staticmethod
+    def _rows_of_moves(moves: list[Move], view: BlockView) -> list[int]:
+        """Index row of each move's block (-1: not in the view's index): one vectorised lookup when the
+        view has one, else ``view.lookup`` per block."""
+        if view.lookup_many is not None:
+            try:
+                keys = np.array([m.block for m in moves], dtype=np.int64)
+            except OverflowError:  # a block key outside int64 (cannot be in the index's int64 table)
+                pass
+            else:
+                return [int(r) for r in view.lookup_many(keys).tolist()]
+        if view.lookup is None:
+            return [-1] * len(moves)
+        return [view.lookup(m.block) for m in moves]
 
     def _actuate(
         self,
