@@ -181,6 +181,7 @@ class ReconcileLoop:
         self._nbytes_buf: npt.NDArray[np.int64] = np.zeros(0, np.int64)
         self._mask_buf: npt.NDArray[np.uint8] = np.zeros(0, np.uint8)
         self._p_buf: npt.NDArray[np.float32] = np.zeros(0, np.float32)
+        self._p_owned = False  # is this tick's fallback P(reuse) array ours to overwrite (a fresh array)?
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.fault: dict[str, BaseException] = {}  # test hook: stage -> exception to raise (fault injection)
         metrics.init_layers(a.name for a in self.actuators)
@@ -459,10 +460,11 @@ class ReconcileLoop:
             return p
         ok = np.isfinite(q)
         if ok.any():
-            if self._p_buf.shape[0] != p.shape[0]:
-                self._p_buf = np.zeros(p.shape[0], np.float32)
-            np.copyto(self._p_buf, p)  # the predictor may keep its output: overwrite a copy
-            p = self._p_buf
+            if not self._p_owned:  # the predictor may keep its output: overwrite a copy
+                if self._p_buf.shape[0] != p.shape[0]:
+                    self._p_buf = np.zeros(p.shape[0], np.float32)
+                np.copyto(self._p_buf, p)
+                p = self._p_buf
             p[rows[ok]] = q[ok].astype(np.float32)
             rep.predictor = f"policy:{pl.name}+{rep.predictor}"
         self._policy_quality_metric(pl)
@@ -484,11 +486,12 @@ class ReconcileLoop:
 
     def _predict_fallback(self, n: int, now: float, rep: TickReport) -> npt.NDArray[np.float32] | None:
         now_ms = now * self.index_ms_per_s
+        self._p_owned = False
         try:
             self._fault("predict")
             p = self.predictor.predict(self.index, n, now_ms)
             rep.predictor = self.predictor.name
-            return np.asarray(p, np.float32)
+            return self._own(self.predictor, p)
         except Exception as exc:  # noqa: BLE001
             if self.predictor is self.fallback:
                 self._fallback(rep, "predict", "no_action", exc)
@@ -497,10 +500,17 @@ class ReconcileLoop:
         try:
             p = self.fallback.predict(self.index, n, now_ms)
             rep.predictor = self.fallback.name
-            return np.asarray(p, np.float32)
+            return self._own(self.fallback, p)
         except Exception as exc:  # noqa: BLE001
             self._fallback(rep, "predict", "no_action", exc)
             return None
+
+    def _own(self, predictor: ReusePredictor, p: Any) -> npt.NDArray[np.float32]:
+        """``p`` as float32; notes whether the tick may overwrite it in place (a new array: converted here,
+        or from a predictor whose ``returns_new_array`` says it keeps no reference)."""
+        out = np.asarray(p, np.float32)
+        self._p_owned = out is not p or bool(getattr(predictor, "returns_new_array", False))
+        return out
 
     def _admittable(self, view: BlockView, p: npt.NDArray[np.float32]) -> npt.NDArray[np.bool_]:
         """Non-resident blocks whose chain tokens are known (checked for the likeliest candidates only)."""

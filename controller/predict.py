@@ -24,7 +24,8 @@ _FREQ_TERM = (1.0 - np.exp(-np.arange(65, dtype=np.float32) / 2.0)).astype(np.fl
 @runtime_checkable
 class ReusePredictor(Protocol):
     """``predict`` returns P(reuse) for slots ``[0, n)`` of ``index`` as of ``now_ms`` (causal: uses only
-    what the index has observed)."""
+    what the index has observed). Optional class attribute ``returns_new_array = True``: every call returns
+    a new float32 array the predictor keeps no reference to, so the loop may overwrite it in place."""
 
     name: str
 
@@ -37,6 +38,7 @@ class HeuristicPredictor:
     """``P = (1 - exp(-freq / 2)) * exp(-age / tau)``; ``tau`` = 4 x the reuse-gap EWMA (or ``tau_ms``)."""
 
     name = "heuristic"
+    returns_new_array = True  # predict() returns a fresh array each call (the caller may overwrite it)
 
     def __init__(self, tau_ms: float = 300_000.0) -> None:
         self.tau_ms = tau_ms

@@ -37,3 +37,67 @@ def test_heuristic_matches_the_reference_formula_exactly(tau_ms: float) -> None:
         assert with_scratch.dtype == np.float32
         assert np.array_equal(with_scratch.view(np.uint32), want.view(np.uint32))
         assert np.array_equal(without.view(np.uint32), want.view(np.uint32))
+
+
+class _Kept:
+    """A predictor that keeps (and returns) one output array, like a cache of its last answer."""
+
+    name = "kept"
+
+    def __init__(self, n: int) -> None:
+        self.out = np.full(n, 0.25, np.float32)
+
+    def predict(self, index: BlockIndex, n: int, now_ms: float) -> np.ndarray:
+        return self.out[:n]
+
+    def info(self) -> dict[str, object]:
+        return {"name": self.name}
+
+
+class _Fresh(_Kept):
+    returns_new_array = True
+
+    def predict(self, index: BlockIndex, n: int, now_ms: float) -> np.ndarray:
+        return self.out[:n].copy()
+
+
+def _loop_with_policy(predictor: _Kept):  # type: ignore[no-untyped-def]
+    """A shadow loop whose cpu tier is placed by ``lru`` fed with requests over the index's blocks."""
+    from prometheus_client import CollectorRegistry
+
+    from kvtier.controller.loop import ReconcileLoop
+    from kvtier.controller.metrics import ControllerMetrics
+    from kvtier.controller.policy_doc import PolicyDoc, TierConfig
+    from kvtier.controller.runtime import make_placement
+    from kvtier.policies.base import Request
+    from kvtier.policies.tiers import Tier
+
+    idx = BlockIndex(initial_capacity=256)
+    for b in range(1, 201):
+        idx.store(b, b - 1 if b % 10 != 1 else None, 1 if b % 3 else 2, 65536, 1000.0 * b)
+    doc = PolicyDoc(mode="shadow", tiers=[TierConfig(tier=Tier.CPU, capacity_blocks=50),
+                                          TierConfig(tier=Tier.DISK, capacity_blocks=1000)])
+    now = [500.0]
+    metrics = ControllerMetrics(CollectorRegistry())
+    loop = ReconcileLoop(idx, policy=doc, metrics=metrics, clock=lambda: now[0], predictor=predictor)
+    loop.placement = pl = make_placement(loop, "learned", Tier.CPU, lambda: now[0])
+    for i in range(40):
+        chain = np.arange(1 + 10 * (i % 20), 11 + 10 * (i % 20), dtype=np.int64)
+        pl.requests.submit(Request(1000.0 * i, 160, 0, chain, block_tokens=16))
+        pl.feed(None)
+    return loop
+
+
+def test_the_tick_overwrites_policy_rows_in_a_copy_unless_the_predictor_returns_a_new_array() -> None:
+    """The placement policy's P(reuse) replaces the fallback's on its rows: in a copy when the predictor
+    may keep its output (its array stays untouched), in place when it returns a new array; same plan."""
+    plans = []
+    for cls in (_Kept, _Fresh):
+        pred = cls(256)
+        loop = _loop_with_policy(pred)
+        rep = loop.tick()
+        assert rep.predictor.startswith("policy:") and rep.outcome == "ok"
+        assert (pred.out == np.float32(0.25)).all()  # never written through
+        plans.append(sorted((m.action, m.block, m.value_s) for m in rep.plan.moves))
+        assert loop._p_owned is (cls is _Fresh)
+    assert plans[0] == plans[1] and plans[0]
