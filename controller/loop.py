@@ -76,6 +76,9 @@ LAYER_TIERS: dict[str, frozenset[Tier]] = {
 _OUTCOME: dict[str, DecisionOutcome] = {"applied": "applied", "failed": "failed", "skipped": "skipped"}
 
 
+_OBSERVE_CHUNK = 65_536  # rows per step of the observe phase's size fill (bounds its temporaries)
+
+
 def _tier_name(t: Tier | None) -> str | None:
     return t.value if t is not None else None
 
@@ -364,8 +367,17 @@ class ReconcileLoop:
             self._mask_buf = np.zeros(n, np.uint8)
         nb = idx.nbytes[:n]
         nbytes = self._nbytes_buf
-        np.copyto(nbytes, nb)
-        np.putmask(nbytes, nb <= 0, self.policy.block_bytes)
+        bb = int(self.policy.block_bytes)
+        if nb.dtype == np.int64 and bb >= 0:
+            # unknown sizes (<= 0) -> block_bytes as max(nb, (nb <= 0) * bb): exact for bb >= 0, and
+            # branch-free (a masked store over a random mask is ~2 ms at 1M rows); 64k-row steps
+            for lo in range(0, n, _OBSERVE_CHUNK):
+                hi = min(n, lo + _OBSERVE_CHUNK)
+                unknown = np.less_equal(nb[lo:hi], 0)
+                np.maximum(nb[lo:hi], np.multiply(unknown, bb, dtype=np.int64), out=nbytes[lo:hi])
+        else:
+            np.copyto(nbytes, nb)
+            np.putmask(nbytes, nb <= 0, self.policy.block_bytes)
         mask = self._mask_buf
         np.copyto(mask, idx.tiers[:n])
         for h, (managed, bits) in list(self.layer_residency.items()):

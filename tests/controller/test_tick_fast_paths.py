@@ -1,5 +1,6 @@
-"""``HeuristicPredictor`` gives bit-for-bit the values of its formula (the reference below is the
-straightforward masked-store version it replaced), with and without its scratch buffers."""
+"""The tick's fast paths give exactly what the straightforward code gave: the heuristic predictor (vs the
+masked-store formula), the observe phase's block sizes, and the policy's P(reuse) overwrite (in place only
+when the predictor hands over a new array)."""
 
 from __future__ import annotations
 
@@ -101,3 +102,29 @@ def test_the_tick_overwrites_policy_rows_in_a_copy_unless_the_predictor_returns_
         plans.append(sorted((m.action, m.block, m.value_s) for m in rep.plan.moves))
         assert loop._p_owned is (cls is _Fresh)
     assert plans[0] == plans[1] and plans[0]
+
+
+def test_observe_fills_unknown_sizes_with_block_bytes_exactly() -> None:
+    """Rows with size <= 0 get ``block_bytes``, the others keep theirs (over several 64k-row steps)."""
+    from prometheus_client import CollectorRegistry
+
+    from kvtier.controller.loop import ReconcileLoop
+    from kvtier.controller.metrics import ControllerMetrics
+    from kvtier.controller.policy_doc import PolicyDoc, TierConfig
+    from kvtier.policies.tiers import Tier
+
+    n = 140_000
+    idx = BlockIndex(initial_capacity=n)
+    for b in range(1, 11):
+        idx.store(b, None, 1, 4096, 1000.0)
+    idx._n = n  # every row is observed (only the size column matters here)
+    rng = np.random.default_rng(1)
+    nb = rng.integers(1, 1 << 40, n)
+    nb[rng.random(n) < 0.3] = 0
+    nb[:3] = [-5, 0, 1]
+    idx.nbytes[:n] = nb
+    doc = PolicyDoc(mode="shadow", tiers=[TierConfig(tier=Tier.CPU, capacity_blocks=50)], block_bytes=777)
+    loop = ReconcileLoop(idx, policy=doc, metrics=ControllerMetrics(CollectorRegistry()), clock=lambda: 1.0)
+    view, m = loop._observe()
+    assert m == n and view.nbytes.dtype == np.int64
+    assert np.array_equal(view.nbytes, np.where(nb <= 0, 777, nb))
