@@ -519,7 +519,7 @@ class LearnedPolicy(Policy):
 
     def _logit_of_events(self, ev: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
         """The current model's (or the fallback's) log-odds of stored access events ``ev``."""
-        x = self._ev_x[ev % self._E].astype(np.float64)
+        x = np.asarray(self._ev_x[ev % self._E], dtype=np.float64)  # (the ring reads float64 already)
         return self.model.predict_logit(x) if self.model.trained else fallback_logit(x)
 
     def _retrain(self, now: float) -> None:

