@@ -23,6 +23,7 @@ used. Refit every ``retrain_every`` requests on a bounded seeded sample. Pure, n
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -62,12 +63,12 @@ class LearnedPolicy(Policy):
         min_class: int = 200,
         tau_mode: str = "gap",
         experts: tuple[str, ...] = DEFAULT_EXPERTS,
-        learned_mults: tuple[float, ...] = (1.0, 32.0),
+        learned_mults: tuple[float, ...] = (0.25, 1.0, 32.0),
         switch_every: int = 100,
         switch_margin: float = 1.0,
-        switch_z: float = 1.0,
+        switch_z: float = 0.5,
         recency_mult: float = 1.0,
-        expert_decay: float = 0.999,
+        expert_decay: float = 0.998,
         event_buffer: int = 1 << 18,
     ) -> None:
         super().__init__(capacity_blocks, seed=seed)
@@ -119,8 +120,10 @@ class LearnedPolicy(Policy):
         self._ex_S = np.zeros(k)
         self._ex_D = np.zeros((k, k))
         self._ex_Q = np.zeros((k, k))
-        self._tok_buf = np.zeros((switch_every, k))  # per-request expert tokens, folded in every window
+        # per-request expert tokens, folded into the statistics every window (or when the buffer is full)
+        self._tok_buf = np.zeros((min(switch_every, 1024), k))
         self._n_buf = 0
+        self._since_check = 0  # requests since the last switch check
         self.switch_log: list[dict[str, Any]] = []  # every switch: request, from/to expert, scores, z
         self._views()
         self._evict_age = np.zeros(4096, dtype=np.float64)  # ages (ms) of recently evicted blocks
@@ -286,22 +289,24 @@ class LearnedPolicy(Policy):
         for i, pl in enumerate(self._keyed):
             lost: list[int] = []
             b = base if pl.mult == self._real.mult else z + now / 1000.0 / (self.tau_s * pl.mult)
-            h = pl.serve(slots, b, self._v_par, lost)
+            h = pl.serve(slots, b, self._v_par, lost if i == self._lead else None)
             toks[i] = _prefix_tokens(h, req)
             if i == self._lead:
                 dropped = lost
                 if aliased:
                     hit, ev = h, lost
         nk = self._n_keyed
+        # classic experts see the request by dense slot (a bijection of block ids): what they evict is
+        # a slot already, no reverse lookup
+        sreq = replace(req, hash_ids=slots) if self._classic else req
         for i, pol in enumerate(self._classic):
-            h = pol.access(req)
+            h = pol.access(sreq)
             toks[nk + i] = _prefix_tokens(h, req)
             mem = self._member[i]
             mem[slots] = True
             gone = pol.drain_evicted()
             if gone:
-                es = self._slot.get_many(np.asarray(gone, dtype=_I64))  # -1: never seen
-                es = es[es >= 0]
+                es = np.asarray(gone, dtype=_I64)
                 mem[es] = False
                 if nk + i == self._lead:
                     dropped = es
@@ -319,8 +324,11 @@ class LearnedPolicy(Policy):
             self._n_evict_age += es.size
         self._last_ms[slots] = now
         self._n_buf += 1
-        if self._n_buf == self._tok_buf.shape[0]:
+        self._since_check += 1
+        if self._n_buf == self._tok_buf.shape[0] or self._since_check == self.switch_every:
             self._fold_expert_stats()
+        if self._since_check == self.switch_every:
+            self._since_check = 0
             if len(toks) > 1:
                 self._follow_leader()
                 self._maybe_alias()
