@@ -72,7 +72,7 @@ class KeyedPlanner:
         if self.capacity <= 0 or n_hit == len(sl):
             return hit
         key = self._v_key
-        push, pop = heapq.heappush, heapq.heappop
+        push, pop, pushpop = heapq.heappush, heapq.heappop, heapq.heappushpop
         n_res, cap = self.n_resident, self.capacity
         for i in range(n_hit, len(sl)):
             s = sl[i]
@@ -83,14 +83,14 @@ class KeyedPlanner:
             n_res += 1
             if p >= 0:
                 rc[p] += 1
-            push(heap, (kl[i], s))
             if n_res <= cap:
+                push(heap, (kl[i], s))
                 continue
-            # evict the smallest-key resident leaf (inlined _evict_one: this loop is the hot path)
-            while True:
+            # evict the smallest-key resident leaf (inlined _evict_one: this loop is the hot path); push
+            # and pop in one step: a newcomer that is itself the smallest never enters the heap
+            k, v = pushpop(heap, (kl[i], s))
+            while not (res[v] and rc[v] == 0 and key[v] == k):
                 k, v = pop(heap)
-                if res[v] and rc[v] == 0 and key[v] == k:
-                    break
             res[v] = False
             n_res -= 1
             pv = parent[v]

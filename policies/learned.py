@@ -63,12 +63,12 @@ class LearnedPolicy(Policy):
         min_class: int = 200,
         tau_mode: str = "gap",
         experts: tuple[str, ...] = DEFAULT_EXPERTS,
-        learned_mults: tuple[float, ...] = (1.0, 32.0),
+        learned_mults: tuple[float, ...] = (0.25, 1.0, 32.0),
         switch_every: int = 100,
         switch_margin: float = 1.0,
-        switch_z: float = 1.0,
+        switch_z: float = 0.5,
         recency_mult: float = 1.0,
-        expert_decay: float = 0.999,
+        expert_decay: float = 0.998,
         event_buffer: int = 1 << 18,
     ) -> None:
         super().__init__(capacity_blocks, seed=seed)
@@ -101,7 +101,7 @@ class LearnedPolicy(Policy):
         # then the classic policies named in ``experts``. The real cache follows the best recent one.
         self._keyed = [KeyedPlanner(capacity_blocks, m, cap0) for m in learned_mults]
         self._classic = [
-            make_expert(e, capacity_blocks, seed, cap0, self._slot) for e in experts if capacity_blocks > 0
+            make_expert(e, capacity_blocks, seed, cap0) for e in experts if capacity_blocks > 0
         ]
         self.expert_names = [
             "learned" if m == 1.0 else f"learned-tau-x{m:g}" for m in learned_mults
@@ -120,8 +120,10 @@ class LearnedPolicy(Policy):
         self._ex_S = np.zeros(k)
         self._ex_D = np.zeros((k, k))
         self._ex_Q = np.zeros((k, k))
-        self._tok_buf = np.zeros((switch_every, k))  # per-request expert tokens, folded in every window
+        # per-request expert tokens, folded into the statistics every window (or when the buffer is full)
+        self._tok_buf = np.zeros((min(switch_every, 1024), k))
         self._n_buf = 0
+        self._since_check = 0  # requests since the last switch check
         self.switch_log: list[dict[str, Any]] = []  # every switch: request, from/to expert, scores, z
         self._views()
         self._evict_age = np.zeros(4096, dtype=np.float64)  # ages (ms) of recently evicted blocks
@@ -291,13 +293,15 @@ class LearnedPolicy(Policy):
         for i, pl in enumerate(self._keyed):
             lost: list[int] = []
             b = base if pl.mult == self._real.mult else z + now / 1000.0 / (self.tau_s * pl.mult)
-            h = pl.serve(slots, b, self._v_par, lost)
+            h = pl.serve(slots, b, self._v_par, lost if i == self._lead else None)
             toks[i] = _prefix_tokens(h, req)
             if i == self._lead:
                 dropped = lost
                 if aliased:
                     hit, ev = h, lost
         nk = self._n_keyed
+        # classic experts see the request by dense slot (a bijection of block ids): what they evict is
+        # a slot already, no reverse lookup; ARC runs natively on slots (SlotARC)
         for i, ex in enumerate(self._classic):
             h, es = ex.serve(req, slots)
             toks[nk + i] = _prefix_tokens(h, req)
@@ -321,8 +325,11 @@ class LearnedPolicy(Policy):
             self._n_evict_age += es.size
         self._last_ms[slots] = now
         self._n_buf += 1
-        if self._n_buf == self._tok_buf.shape[0]:
+        self._since_check += 1
+        if self._n_buf == self._tok_buf.shape[0] or self._since_check == self.switch_every:
             self._fold_expert_stats()
+        if self._since_check == self.switch_every:
+            self._since_check = 0
             if len(toks) > 1:
                 self._follow_leader()
                 self._maybe_alias()

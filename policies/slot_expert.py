@@ -2,11 +2,12 @@
 
 An expert serves every request next to the real cache and reports its hits and the slots it evicted.
 ``arc`` runs natively on slots (:class:`~kvtier.policies.arc.SlotARC`, int32 lists, ~9 B per slot);
-any other registry policy is wrapped (:class:`IdExpert`: block ids in, evicted ids mapped back to slots).
+any other registry policy is wrapped (:class:`IdExpert`: fed the slots as block ids).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
@@ -14,7 +15,6 @@ import numpy.typing as npt
 
 from kvtier.policies.arc import SlotARC
 from kvtier.policies.base import HitMask, Policy, Request
-from kvtier.policies.slotmap import SlotMap
 
 Evicted = list[int] | npt.NDArray[np.int64]
 
@@ -32,19 +32,16 @@ class SlotExpert(Protocol):
 
 
 class IdExpert:
-    """A registry policy keyed by block ids; evicted ids are mapped to slots through ``slot_of``."""
+    """A registry policy, fed each request with its blocks' slots as ids (a bijection of the block ids, so
+    the same decisions): what it evicts is a slot already."""
 
-    def __init__(self, policy: Policy, slot_of: SlotMap) -> None:
+    def __init__(self, policy: Policy) -> None:
         self.policy = policy
-        self._slot = slot_of
 
     def serve(self, req: Request, slots: npt.NDArray[np.int64]) -> tuple[HitMask, Evicted]:
-        h = self.policy.access(req)
+        h = self.policy.access(replace(req, hash_ids=slots))
         gone = self.policy.drain_evicted()
-        if not gone:
-            return h, []
-        es = self._slot.get_many(np.asarray(gone, dtype=np.int64))  # -1: never seen
-        return h, es[es >= 0]
+        return h, np.asarray(gone, dtype=np.int64) if gone else []
 
     def grow(self, new: int) -> None:
         pass
@@ -59,10 +56,10 @@ class ArcExpert(SlotARC):
         return np.array(h, dtype=np.bool_), ev
 
 
-def make_expert(name: str, capacity_blocks: int, seed: int, size: int, slot_of: SlotMap) -> SlotExpert:
+def make_expert(name: str, capacity_blocks: int, seed: int, size: int) -> SlotExpert:
     """The expert called ``name`` (a registry policy name) over ``size`` initial slots."""
     if name == "arc":
         return ArcExpert(capacity_blocks, size)
     from kvtier.policies.registry import get_policy  # lazy: the registry imports the learned policy
 
-    return IdExpert(get_policy(name, capacity_blocks, seed), slot_of)
+    return IdExpert(get_policy(name, capacity_blocks, seed))

@@ -83,12 +83,16 @@ def run_one(
         stack = TierStack.build(
             tiers, policy, wl.distinct_blocks, top_capacity_blocks=capacity_blocks, seed=seed
         )
-        stats = replay(wl.requests, stack.top, tiers=stack, on_request=on_req, progress=progress)
+        pol = stack.top
+        stats = replay(wl.requests, pol, tiers=stack, on_request=on_req, progress=progress)
     else:
         if capacity_blocks is None:
             raise ValueError("give --capacity or --capacity-blocks (or --tiers)")
         pol = get_policy(policy, capacity_blocks, seed)
         stats = replay(wl.requests, pol, on_request=on_req, progress=progress)
+    quality = getattr(pol, "quality", None)
+    if callable(quality):  # a learned policy's own out-of-sample quality (AUC, calibration, experts)
+        stats.extra["predictor"] = quality()
     stats.extra["distinct_blocks"] = wl.distinct_blocks
     stats.extra["trace"] = str(wl.path)
     stats.extra["seed"] = seed

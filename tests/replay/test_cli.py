@@ -43,6 +43,21 @@ def test_replay_json_fields() -> None:
     assert abs(d["prefix_hit_ratio"] - 0.1993) < 0.0005
 
 
+def test_replay_json_reports_the_learned_predictors_own_quality() -> None:
+    """``--format json`` of a learned replay carries the predictor's out-of-sample quality; a classic
+    policy has none to report."""
+    code, out, _ = invoke("replay", "bundled", "--policy", "learned", "--capacity-blocks", "1500",
+                          "--max-requests", "3000", "--format", "json")  # fmt: skip
+    assert code == 0, out
+    q = json.loads(out)["predictor"]
+    assert q["trained"] and q["retrains"] >= 1 and q["scored_accesses"] > 0
+    assert 0.5 < q["auc"] < 1 and 0.0 <= q["brier"] <= 0.25
+    assert q["expert"] in q["expert_scores"] and "arc" in q["expert_scores"]
+    code, out, _ = invoke("replay", "bundled", "--policy", "lru", "--capacity-blocks", "1500",
+                          "--max-requests", "300", "--format", "json")  # fmt: skip
+    assert code == 0 and "predictor" not in json.loads(out)
+
+
 def test_capacity_counts_only_replayed_requests(tmp_path: Path) -> None:
     code, out, _ = invoke(
         "replay", "bundled", "--capacity", "0.1", "--max-requests", "100", "--format", "json"
