@@ -45,3 +45,23 @@ def test_slot_arc_matches_arc_hit_for_hit_and_eviction_for_eviction(name: str, c
     assert {inv[s] for s in held} == {b for b in slot if ref.contains(b)}
     if name == "multiturn":
         assert before[3] > 0 and before[4] > 0  # ghost hits in B1 and in B2
+
+
+@pytest.mark.parametrize("name", ["lru", "s3fifo", "arc"])
+def test_slot_experts_decide_like_the_registry_policy_on_block_ids(name: str) -> None:
+    """``make_expert`` (ARC natively on slots, others fed the slots as ids) gives the hits of the registry
+    policy run on the block ids, and reports exactly its evictions (as slots)."""
+    from kvtier.policies.registry import get_policy
+    from kvtier.policies.slot_expert import make_expert
+
+    slot: dict[int, int] = {}
+    cap = 300
+    ref, ex = get_policy(name, cap, 0), make_expert(name, cap, 0, 8)
+    for r in _trace("multiturn")[:1500]:
+        ids = r.hash_ids.tolist()
+        for b in ids:
+            slot.setdefault(b, len(slot))
+        ex.grow(len(slot))
+        h, ev = ex.serve(r, np.array([slot[b] for b in ids], dtype=np.int64))
+        assert ref.access(r).tolist() == h.tolist()
+        assert [slot[b] for b in ref.drain_evicted()] == list(ev)
