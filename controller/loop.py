@@ -359,7 +359,8 @@ class ReconcileLoop:
         idx = self.index
         n = int(getattr(idx, "_n", idx.capacity))
         if self._tokens_buf.shape[0] != n:
-            self._tokens_buf = np.full(n, self.policy.block_size_tokens, np.int32)
+            # every row saves one block of tokens: a read-only broadcast (no 4 B/row array)
+            self._tokens_buf = np.broadcast_to(np.int32(self.policy.block_size_tokens), (n,))
         # per-tick arrays in buffers kept across ticks (the tick is serial): fresh multi-MB allocations
         # each tick cost page faults, which on a loaded machine made single ticks 30+ ms slower
         if self._nbytes_buf.shape[0] != n:
