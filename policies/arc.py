@@ -173,6 +173,31 @@ class SlotARC:
         self.count[lst] += 1
         self._w[x] = lst
 
+    def _move(self, x: int, dst: int) -> None:
+        """``_unlink(x)`` then ``_append(x, dst)`` in one call (the hot path: hits and ghost moves)."""
+        w, pv, nx, head, tail, cnt = self._w, self._pv, self._nx, self.head, self.tail, self.count
+        lst = w[x]
+        a, b = pv[x], nx[x]
+        if a >= 0:
+            nx[a] = b
+        else:
+            head[lst] = b
+        if b >= 0:
+            pv[b] = a
+        else:
+            tail[lst] = a
+        cnt[lst] -= 1
+        t = tail[dst]
+        pv[x] = t
+        nx[x] = -1
+        if t >= 0:
+            nx[t] = x
+        else:
+            head[dst] = x
+        tail[dst] = x
+        cnt[dst] += 1
+        w[x] = dst
+
     def _pop_lru(self, lst: int) -> int:
         x = self.head[lst]
         self._unlink(x)
@@ -181,14 +206,14 @@ class SlotARC:
     def _replace(self, in_b2: bool, evicted: list[int]) -> None:
         n1 = self.count[_T1]
         if n1 and (n1 > self._p or (in_b2 and n1 == self._p)):
-            b = self._pop_lru(_T1)
-            self._append(b, _B1)
+            b = self.head[_T1]
+            self._move(b, _B1)
         elif self.count[_T2]:
-            b = self._pop_lru(_T2)
-            self._append(b, _B2)
+            b = self.head[_T2]
+            self._move(b, _B2)
         else:
-            b = self._pop_lru(_T1)
-            self._append(b, _B1)
+            b = self.head[_T1]
+            self._move(b, _B1)
         evicted.append(b)
 
     def access(self, slots: list[int], evicted: list[int]) -> list[bool]:
@@ -199,30 +224,27 @@ class SlotARC:
             return hits
         w = self._w
         cnt = self.count
-        unlink, append, replace, pop_lru = self._unlink, self._append, self._replace, self._pop_lru
+        move, append, replace, pop_lru = self._move, self._append, self._replace, self._pop_lru
+        tail = self.tail
         for i, x in enumerate(slots):
             lst = w[x]
             if lst == _T1:
-                unlink(x)
-                append(x, _T2)
+                move(x, _T2)
                 hits[i] = True
             elif lst == _T2:
-                if self.tail[_T2] != x:  # move_to_end
-                    unlink(x)
-                    append(x, _T2)
+                if tail[_T2] != x:  # move_to_end
+                    move(x, _T2)
                 hits[i] = True
             elif lst == _B1:
                 self._p = min(float(c), self._p + max(cnt[_B2] / cnt[_B1], 1.0))
                 if cnt[_T1] + cnt[_T2] >= c:
                     replace(False, evicted)
-                unlink(x)
-                append(x, _T2)
+                move(x, _T2)
             elif lst == _B2:
                 self._p = max(0.0, self._p - max(cnt[_B1] / cnt[_B2], 1.0))
                 if cnt[_T1] + cnt[_T2] >= c:
                     replace(True, evicted)
-                unlink(x)
-                append(x, _T2)
+                move(x, _T2)
             else:
                 n1 = cnt[_T1]
                 l1 = n1 + cnt[_B1]
