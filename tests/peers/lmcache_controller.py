@@ -80,6 +80,19 @@ class ControllerCluster:
 
         wait_for(registered, 180, "standalone worker registration", interval_s=0.5, proc=self.worker,
                  log=wlog)
+
+        def api_listening() -> bool:
+            """The worker registers over ZMQ before its internal API server listens: wait for both."""
+            import socket
+
+            try:
+                socket.create_connection(("127.0.0.1", self.api_port_start + 1), timeout=2).close()
+            except OSError:
+                return False
+            return True
+
+        wait_for(api_listening, 120, "standalone worker internal API", interval_s=0.5, proc=self.worker,
+                 log=wlog)
         return self
 
     def store(self, start_tok: int, end_tok: int) -> dict[str, Any]:
