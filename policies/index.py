@@ -27,6 +27,7 @@ _U64 = 1 << 64
 _I64_MAX = (1 << 63) - 1
 _N_TIERS = len(TIER_ORDER)
 _EWMA_ALPHA = 0.3
+_NBYTES_MAX = 2**31 - 1  # per-block KV bytes are int32 (a 256-token chunk of a 405B model is ~130 MB)
 
 
 class IndexFullError(MemoryError):
@@ -109,7 +110,7 @@ class BlockIndex:
         self.freq = np.zeros(cap, dtype=np.uint32)
         self.last_gap = np.full(cap, np.nan, dtype=np.float32)
         self.gap_ewma = np.full(cap, np.nan, dtype=np.float32)
-        self.nbytes = np.zeros(cap, dtype=np.int64)
+        self.nbytes = np.zeros(cap, dtype=np.int32)  # KV bytes (0 = unknown); < 2 GiB per block
         self.n_children = np.zeros(cap, dtype=np.int32)
         self.res_children = np.zeros((cap, _N_TIERS), dtype=np.int32)
         self.used = np.zeros(cap, dtype=np.bool_)
@@ -284,6 +285,8 @@ class BlockIndex:
         return self._store(to_key(h), pkey, _tier_rank(tier), nbytes, t)
 
     def _store(self, key: int, pkey: int | None, r: int, nbytes: int, t: float) -> bool:
+        if not -_NBYTES_MAX <= nbytes <= _NBYTES_MAX:  # checked before any state changes
+            raise ValueError(f"block size {nbytes} bytes out of range (at most {_NBYTES_MAX} per block)")
         s = self._slot.get(key)
         if s < 0:
             s = self._new_slot(key)

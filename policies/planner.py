@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -119,7 +119,7 @@ class BlockView:
     hashes: npt.NDArray[np.int64]
     tier_mask: npt.NDArray[np.uint8]
     tokens: npt.NDArray[np.int32]
-    nbytes: npt.NDArray[np.int64]
+    nbytes: npt.NDArray[np.signedinteger[Any]]  # int32 or int64
     p_reuse: npt.NDArray[np.float32]
     admittable: npt.NDArray[np.bool_]
     lookup: Callable[[int], int] | None = None  # block -> row (-1 if absent); faster than a scan
@@ -656,8 +656,12 @@ class _ValueBounds:
         self.p = view.p_reuse
         self.bw = bw
         self.c = prefill_s_per_token
-        self.tok_min = float(view.tokens.min()) if len(view) else 0.0
-        self.tok_max = float(view.tokens.max()) if len(view) else 0.0
+        tok = view.tokens
+        if len(view) and tok.strides == (0,):  # one value broadcast to every row (the loop's view)
+            self.tok_min = self.tok_max = float(tok[0])
+        else:
+            self.tok_min = float(tok.min()) if len(view) else 0.0
+            self.tok_max = float(tok.max()) if len(view) else 0.0
         self.nb_min = float(view.nbytes.min()) if len(view) else 0.0
         self.nb_max = float(view.nbytes.max()) if len(view) else 0.0
 
