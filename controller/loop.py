@@ -53,6 +53,7 @@ from kvtier.controller.predict import HeuristicPredictor, ReusePredictor
 from kvtier.controller.tokens import TokenStore
 from kvtier.policies.index import BlockIndex
 from kvtier.policies.planner import BlockView, Move, Plan, Planner, tier_bit
+from kvtier.policies.slotmap import grown_size
 from kvtier.policies.tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -185,6 +186,9 @@ class ReconcileLoop:
         self._wake: asyncio.Event | None = None
         self._tokens_buf: npt.NDArray[np.int32] = np.zeros(0, np.int32)
         self._nbytes_buf: npt.NDArray[np.signedinteger[Any]] = np.zeros(0, np.int64)
+        self._nbytes_key: tuple[Any, ...] | None = None  # (index, block_bytes, dtype) the buffer holds
+        self._nbytes_version: int | None = None  # the index's nbytes_version when last refreshed
+        self._nbytes_n = 0  # rows refreshed
         self._mask_buf: npt.NDArray[np.uint8] = np.zeros(0, np.uint8)
         self._p_buf: npt.NDArray[np.float32] = np.zeros(0, np.float32)
         self._p_owned = False  # is this tick's fallback P(reuse) array ours to overwrite (a fresh array)?
@@ -369,30 +373,15 @@ class ReconcileLoop:
         idx = self.index
         if n is None:
             n = int(getattr(idx, "_n", idx.capacity))
-        if self._tokens_buf.shape[0] != n:
+        bst = self.policy.block_size_tokens
+        if self._tokens_buf.shape[0] != n or (n and int(self._tokens_buf[0]) != bst):
             # every row saves one block of tokens: a read-only broadcast (no 4 B/row array)
-            self._tokens_buf = np.broadcast_to(np.int32(self.policy.block_size_tokens), (n,))
+            self._tokens_buf = np.broadcast_to(np.int32(bst), (n,))
         # per-tick arrays in buffers kept across ticks (the tick is serial): fresh multi-MB allocations
         # each tick cost page faults, which on a loaded machine made single ticks 30+ ms slower
-        nb = idx.nbytes[:n]
-        bb = int(self.policy.block_bytes)
-        # the index's sizes are int32: so is the view's unless the default block size does not fit
-        dt = np.int32 if nb.dtype == np.int32 and bb <= np.iinfo(np.int32).max else np.int64
-        if self._nbytes_buf.shape[0] != n or self._nbytes_buf.dtype != dt:
-            self._nbytes_buf = np.zeros(n, dt)
+        nbytes = self._observe_nbytes(n)
         if self._mask_buf.shape[0] != n:
             self._mask_buf = np.zeros(n, np.uint8)
-        nbytes = self._nbytes_buf
-        if nb.dtype in (np.int32, np.int64) and bb >= 0:
-            # unknown sizes (<= 0) -> block_bytes as max(nb, (nb <= 0) * bb): exact for bb >= 0, and
-            # branch-free (a masked store over a random mask is ~2 ms at 1M rows); the bool mask in the
-            # tier-mask buffer (overwritten next), bool x int64 straight into the output
-            unknown = np.less_equal(nb, 0, out=self._mask_buf.view(np.bool_))
-            np.multiply(unknown, dt(bb), out=nbytes)
-            np.maximum(nbytes, nb, out=nbytes)
-        else:
-            np.copyto(nbytes, nb)
-            np.putmask(nbytes, nb <= 0, self.policy.block_bytes)
         mask = self._mask_buf
         np.copyto(mask, idx.tiers[:n])
         for h, (managed, bits) in list(self.layer_residency.items()):
@@ -411,6 +400,50 @@ class ReconcileLoop:
             lookup_many=getattr(idx, "slots_of_keys", None),
         )
         return view
+
+    def _observe_nbytes(self, n: int) -> npt.NDArray[np.signedinteger[Any]]:
+        """Block sizes of rows ``[0, n)``, unknown (<= 0) ones as ``block_bytes``: kept across ticks and
+        refreshed only where the index logged a size change (and for new rows); all rows when the log
+        does not reach back to the last tick, the index or ``block_bytes`` changed."""
+        idx = self.index
+        nb_all = idx.nbytes
+        bb = int(self.policy.block_bytes)
+        # the index's sizes are int32: so is the view's unless the default block size does not fit
+        dt = np.int32 if nb_all.dtype == np.int32 and bb <= np.iinfo(np.int32).max else np.int64
+        buf = self._nbytes_buf
+        version = getattr(idx, "nbytes_version", None)
+        key = (id(idx), bb, np.dtype(dt))
+        changed = None
+        last = self._nbytes_version
+        if version is not None and last is not None and self._nbytes_key == key and self._nbytes_n <= n:
+            changed = idx.nbytes_changed_since(last) if n <= buf.shape[0] else None
+        if changed is None:  # everything
+            if buf.shape[0] < n or buf.dtype != dt:  # (exact size first; then +25 % steps as n grows)
+                size = buf.shape[0] if buf.dtype == dt and buf.shape[0] else n
+                buf = self._nbytes_buf = np.zeros(n if size == n else grown_size(size, n), dt)
+            lo, rows = 0, np.zeros(0, np.intp)
+        else:
+            lo = self._nbytes_n
+            rows = np.asarray(changed, np.intp)
+            rows = rows[rows < lo]
+        self._nbytes_key, self._nbytes_version, self._nbytes_n = key, version, n
+        if rows.size:
+            v = nb_all[rows]
+            buf[rows] = np.where(v <= 0, bb, v)
+        if lo < n:
+            nb, out = nb_all[lo:n], buf[lo:n]
+            if nb.dtype in (np.int32, np.int64) and bb >= 0:
+                # max(nb, (nb <= 0) * bb): exact for bb >= 0, branch-free (a masked store over a random
+                # mask is ~2 ms at 1M rows); the bool mask in the tier-mask buffer (overwritten next)
+                if self._mask_buf.shape[0] < n:
+                    self._mask_buf = np.zeros(n, np.uint8)
+                unknown = np.less_equal(nb, 0, out=self._mask_buf[: n - lo].view(np.bool_))
+                np.multiply(unknown, dt(bb), out=out)
+                np.maximum(out, nb, out=out)
+            else:
+                np.copyto(out, nb, casting="unsafe")
+                np.putmask(out, nb <= 0, bb)
+        return buf[:n]
 
     def _observe_policy(self, view: BlockView, rep: TickReport, now: float) -> None:
         """Take the placement policy's resident set as the desired placement of its tier. The policy is fed

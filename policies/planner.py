@@ -344,12 +344,16 @@ class Planner:
         for sp in specs:
             bw[sp.tier.rank] = sp.load_bandwidth_bytes_s
         ops_cap = self._ops_cap()
+        tok_const = float(view.tokens[0]) if n and view.tokens.strides == (0,) else None
 
         def val(rows: npt.NDArray[np.intp], rank: int | npt.NDArray[np.int8]) -> npt.NDArray[np.float64]:
             """v at tier ``rank`` for ``rows`` (rank 4 = not resident: 0)."""
             # p * (tokens * prefill_s_per_token - nbytes / bw), in place (same operations, same rounding)
             out = view.p_reuse.take(rows).astype(np.float64)
-            saved = view.tokens.take(rows).astype(np.float64)
+            if tok_const is not None:  # the loop's tokens: one value broadcast to every row
+                saved = np.full(len(rows), tok_const)
+            else:
+                saved = view.tokens.take(rows).astype(np.float64)
             saved *= cfg.prefill_s_per_token
             load = view.nbytes.take(rows).astype(np.float64)
             load /= bw[rank]
@@ -484,11 +488,15 @@ class Planner:
 
         # 4. spend the link budgets: class first (pins, shedding, gains), then highest value.
         candidates.sort(key=lambda c: (c[0], c[1]))
+        # each link's bucket is refilled once per plan (a refill at the same now_s changes nothing)
+        refilled: dict[tuple[Tier | None, Tier | None], _Bucket] = {}
         for _, _, m in candidates:
             if allowed is not None and m.action not in allowed:
                 continue
             plan.tried[m.action] += 1
-            bk = self._bucket(m.link, now_s)
+            bk = refilled.get((m.src, m.dst))
+            if bk is None:
+                bk = refilled[(m.src, m.dst)] = self._bucket(m.link, now_s)
             if bk.ops < 1.0 or bk.bytes < m.nbytes:
                 plan.deferred[m.action] += 1
                 continue

@@ -179,3 +179,45 @@ def test_index_rejects_a_block_size_beyond_int32_before_changing_anything() -> N
     assert idx.get(5) is None and len(idx) == 0
     idx.store(5, None, 1, (1 << 31) - 1, 1.0)
     assert idx.get(5).nbytes == (1 << 31) - 1
+
+
+def test_observed_sizes_refresh_incrementally_and_equal_a_full_fill_after_every_kind_of_change() -> None:
+    """The view's sizes are kept across ticks and refreshed from the index's change log: stores with a
+    size, a store that changes it, removals (the slot's size resets), new rows, a ``block_bytes`` change,
+    more changes than the log holds. Each observe equals a loop that fills every row afresh."""
+    from prometheus_client import CollectorRegistry
+
+    from kvtier.controller.loop import ReconcileLoop
+    from kvtier.controller.metrics import ControllerMetrics
+    from kvtier.controller.policy_doc import PolicyDoc, TierConfig
+    from kvtier.policies.tiers import Tier
+
+    idx = BlockIndex(initial_capacity=1024)
+    for b in range(1, 501):
+        idx.store(b, None, 1, 4096 if b % 3 else 0, 1000.0)
+    doc = PolicyDoc(mode="shadow", tiers=[TierConfig(tier=Tier.CPU, capacity_blocks=50)], block_bytes=777)
+    loop = ReconcileLoop(idx, policy=doc, metrics=ControllerMetrics(CollectorRegistry()), clock=lambda: 1.0)
+
+    def check() -> None:
+        got = loop._observe().nbytes
+        n = int(idx._n)
+        want = np.where(idx.nbytes[:n] <= 0, loop.policy.block_bytes, idx.nbytes[:n])
+        assert got.shape == (n,) and np.array_equal(got, want)
+
+    check()
+    idx.store(7, None, 2, 123_456, 2000.0)  # a size change on an existing block
+    idx.store(9, None, 2, 0, 2000.0)  # no size: unchanged
+    check()
+    idx.remove(2)  # drops the block (its slot's size resets) ...
+    idx.store(10_001, None, 1, 0, 3000.0)  # ... and a new unsized block takes the slot
+    check()
+    for b in range(20_000, 20_300):  # new rows past the last observe
+        idx.store(b, None, 1, 55 if b % 2 else 0, 4000.0)
+    check()
+    loop.policy = loop.policy.model_copy(update={"block_bytes": 999})
+    check()
+    for b in range(1, 501):  # more size changes than the log remembers: a full refresh
+        for k in range(140):
+            idx.store(b, None, 1, 100 + k, 5000.0)
+    assert idx.nbytes_changed_since(0) is None
+    check()
