@@ -332,6 +332,7 @@ class ReconcileLoop:
                 self._admittable(view, p),
                 view.lookup,
                 view.lookup_many,
+                view.epoch,
             )
         with self._phase("plan"):
             try:
@@ -398,6 +399,7 @@ class ReconcileLoop:
             admittable=np.broadcast_to(np.False_, (n,)),
             lookup=idx.slot_of,
             lookup_many=getattr(idx, "slots_of_keys", None),
+            epoch=getattr(idx, "epoch", None),
         )
         return view
 
