@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import threading
 import time
 from collections import Counter
@@ -164,8 +165,10 @@ class ReconcileLoop:
         # the placement policy object (``--policy``): fed the inferred requests, its resident set is the
         # desired placement of its tier, its predictor gives P(reuse) (the ``predictor`` is the fallback)
         self.placement = placement
-        # index-only predictors run on a worker thread during the observe phase from this many rows on
-        self.predict_ahead_min_rows = 65_536
+        # index-only predictors run on a worker thread during the observe phase from this many rows on;
+        # only with cores to spare: on 2 shared cores the worker slowed the observe phase by about what
+        # it saved (bench/control_tick at 1M, docs/tick.md round 5)
+        self.predict_ahead_min_rows: int | None = 65_536 if (os.cpu_count() or 1) >= 4 else None
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._desired: npt.NDArray[np.bool_] | None = None
         self._policy_rows: npt.NDArray[np.int64] = np.zeros(0, np.int64)
@@ -548,7 +551,8 @@ class ReconcileLoop:
         at 1M blocks overlap the policy's work. Its result or error is taken in the predict phase, exactly
         as a direct call's."""
         pr = self.predictor
-        if not getattr(pr, "reads_index_only", False) or n < self.predict_ahead_min_rows:
+        least = self.predict_ahead_min_rows
+        if least is None or n < least or not getattr(pr, "reads_index_only", False):
             return None
         if self._ahead_pool is None:
             self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-predict")
