@@ -703,11 +703,15 @@ class ReconcileLoop:
         if not moves:
             return
         rows = np.asarray(self._rows_of_moves(moves, view), np.int64)
-        ok = rows >= 0
-        at = np.where(ok, rows, 0)
-        # per-move scalars in two vectorised gathers (untracked blocks: freq0 -1, p_reuse 1.0)
-        freq0s = np.where(ok, self.index.freq[at].astype(np.int64), -1).tolist()
-        ps = np.where(ok, view.p_reuse[at].astype(np.float64), 1.0).tolist()
+        ok = np.flatnonzero(rows >= 0)
+        # per-move scalars in two vectorised gathers (untracked blocks, e.g. a pinned prefix vLLM has not
+        # stored yet: freq0 -1, p_reuse 1.0)
+        f0 = np.full(rows.shape[0], -1, np.int64)
+        pr = np.ones(rows.shape[0], np.float64)
+        if ok.size:
+            f0[ok] = self.index.freq[rows[ok]]
+            pr[ok] = view.p_reuse[rows[ok]]
+        freq0s, ps = f0.tolist(), pr.tolist()
         ids = self.decisions.new_ids(len(moves))
         tick, tokens = self.tick_no, self.policy.block_size_tokens
         shadow: list[Decision] = []

@@ -298,6 +298,22 @@ def test_pins_and_shadow_scoring() -> None:
     assert reg.get_sample_value("kvtier_shadow_regrets_total") == 1
 
 
+def test_a_pin_of_blocks_the_index_has_not_seen_is_decided_on_an_empty_index() -> None:
+    """A pinned prompt's blocks that vLLM has not stored yet (nothing in the index: an empty view) are
+    admitted; their decisions carry freq0 -1 and P(reuse) 1.0 (regression: the per-move gathers ran on
+    the empty view and failed the tick)."""
+    loop, idx, act, reg, _, clock = make(mode="shadow")
+    loop.pins.add(
+        Pin(id="p1", tier=Tier.GPU, blocks=[101, 102], created_at_s=clock.t, token_ids=list(range(32)),
+            block_size=16)
+    )
+    rep = loop.tick()
+    assert rep.outcome == "ok" and rep.decisions == 2, rep.fallbacks
+    ds = loop.decisions.query()
+    assert {d.block for d in ds} == {101, 102}
+    assert all(d.freq0 == -1 and d.p_reuse == 1.0 and d.outcome == "shadow" for d in ds)
+
+
 def test_pinset_block_map_prefers_fastest_tier() -> None:
     ps = PinSet()
     ps.add(Pin("a", Tier.CPU, [1, 2], 0.0))
