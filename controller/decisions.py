@@ -88,10 +88,23 @@ class DecisionLog:
             self._next += 1
             return i
 
+    def new_ids(self, k: int) -> range:
+        """``k`` consecutive ids (one lock round for a tick's decisions)."""
+        with self._lock:
+            i = self._next
+            self._next += k
+            return range(i, i + k)
+
     def add(self, d: Decision) -> None:
         with self._lock:
             self._d.append(d)
             self._pending.append(d)
+
+    def add_many(self, ds: list[Decision]) -> None:
+        """:meth:`add` of each, in order, under one lock."""
+        with self._lock:
+            self._d.extend(ds)
+            self._pending.extend(ds)
 
     def __len__(self) -> int:
         return len(self._d)

@@ -22,10 +22,12 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +54,7 @@ from kvtier.controller.predict import HeuristicPredictor, ReusePredictor
 from kvtier.controller.tokens import TokenStore
 from kvtier.policies.index import BlockIndex
 from kvtier.policies.planner import BlockView, Move, Plan, Planner, tier_bit
+from kvtier.policies.slotmap import grown_size
 from kvtier.policies.tiers import Tier
 
 log = logging.getLogger(__name__)
@@ -76,7 +79,6 @@ LAYER_TIERS: dict[str, frozenset[Tier]] = {
 _OUTCOME: dict[str, DecisionOutcome] = {"applied": "applied", "failed": "failed", "skipped": "skipped"}
 
 
-_OBSERVE_CHUNK = 65_536  # rows per step of the observe phase's size fill (bounds its temporaries)
 
 
 def _tier_name(t: Tier | None) -> str | None:
@@ -163,6 +165,11 @@ class ReconcileLoop:
         # the placement policy object (``--policy``): fed the inferred requests, its resident set is the
         # desired placement of its tier, its predictor gives P(reuse) (the ``predictor`` is the fallback)
         self.placement = placement
+        # index-only predictors run on a worker thread during the observe phase from this many rows on;
+        # only with cores to spare: on 2 shared cores the worker slowed the observe phase by about what
+        # it saved (bench/control_tick at 1M, docs/tick.md round 5)
+        self.predict_ahead_min_rows: int | None = 65_536 if (os.cpu_count() or 1) >= 4 else None
+        self._ahead_pool: ThreadPoolExecutor | None = None
         self._desired: npt.NDArray[np.bool_] | None = None
         self._policy_rows: npt.NDArray[np.int64] = np.zeros(0, np.int64)
         self._policy_q: npt.NDArray[np.float64] | None = None  # the policy's P(reuse) for _policy_rows
@@ -181,7 +188,10 @@ class ReconcileLoop:
         self._busy = threading.Lock()
         self._wake: asyncio.Event | None = None
         self._tokens_buf: npt.NDArray[np.int32] = np.zeros(0, np.int32)
-        self._nbytes_buf: npt.NDArray[np.int64] = np.zeros(0, np.int64)
+        self._nbytes_buf: npt.NDArray[np.signedinteger[Any]] = np.zeros(0, np.int64)
+        self._nbytes_key: tuple[Any, ...] | None = None  # (index, block_bytes, dtype) the buffer holds
+        self._nbytes_version: int | None = None  # the index's nbytes_version when last refreshed
+        self._nbytes_n = 0  # rows refreshed
         self._mask_buf: npt.NDArray[np.uint8] = np.zeros(0, np.uint8)
         self._p_buf: npt.NDArray[np.float32] = np.zeros(0, np.float32)
         self._p_owned = False  # is this tick's fallback P(reuse) array ours to overwrite (a fresh array)?
@@ -297,16 +307,23 @@ class ReconcileLoop:
             with self._phase("score"):
                 self._score(now)
             return
+        idx = self.index
+        n = int(getattr(idx, "_n", idx.capacity))
+        ahead = self._predict_ahead(n, now)
         with self._phase("observe"):
             try:
                 self._fault("observe")
-                view, n = self._observe()
+                view = self._observe(n)
             except Exception as exc:  # noqa: BLE001
                 self._fallback(rep, "observe", "no_action", exc)
+                if ahead is not None:
+                    ahead.cancel()
+                    with contextlib.suppress(Exception):
+                        ahead.result()  # the index must not be read after the tick (nor its error lost)
                 return
             self._observe_policy(view, rep, now)
         with self._phase("predict"):
-            p = self._predict(n, now, rep)
+            p = self._predict(n, now, rep, ahead)
             if p is None:
                 return
             view = BlockView(
@@ -318,6 +335,7 @@ class ReconcileLoop:
                 self._admittable(view, p),
                 view.lookup,
                 view.lookup_many,
+                view.epoch,
             )
         with self._phase("plan"):
             try:
@@ -355,30 +373,19 @@ class ReconcileLoop:
             "tick %d: %s failed (%s: %s); fallback %s", self.tick_no, stage, type(exc).__name__, exc, fallback
         )
 
-    def _observe(self) -> tuple[BlockView, int]:
+    def _observe(self, n: int | None = None) -> BlockView:
         idx = self.index
-        n = int(getattr(idx, "_n", idx.capacity))
-        if self._tokens_buf.shape[0] != n:
+        if n is None:
+            n = int(getattr(idx, "_n", idx.capacity))
+        bst = self.policy.block_size_tokens
+        if self._tokens_buf.shape[0] != n or (n and int(self._tokens_buf[0]) != bst):
             # every row saves one block of tokens: a read-only broadcast (no 4 B/row array)
-            self._tokens_buf = np.broadcast_to(np.int32(self.policy.block_size_tokens), (n,))
+            self._tokens_buf = np.broadcast_to(np.int32(bst), (n,))
         # per-tick arrays in buffers kept across ticks (the tick is serial): fresh multi-MB allocations
         # each tick cost page faults, which on a loaded machine made single ticks 30+ ms slower
-        if self._nbytes_buf.shape[0] != n:
-            self._nbytes_buf = np.zeros(n, np.int64)
+        nbytes = self._observe_nbytes(n)
+        if self._mask_buf.shape[0] != n:
             self._mask_buf = np.zeros(n, np.uint8)
-        nb = idx.nbytes[:n]
-        nbytes = self._nbytes_buf
-        bb = int(self.policy.block_bytes)
-        if nb.dtype == np.int64 and bb >= 0:
-            # unknown sizes (<= 0) -> block_bytes as max(nb, (nb <= 0) * bb): exact for bb >= 0, and
-            # branch-free (a masked store over a random mask is ~2 ms at 1M rows); 64k-row steps
-            for lo in range(0, n, _OBSERVE_CHUNK):
-                hi = min(n, lo + _OBSERVE_CHUNK)
-                unknown = np.less_equal(nb[lo:hi], 0)
-                np.maximum(nb[lo:hi], np.multiply(unknown, bb, dtype=np.int64), out=nbytes[lo:hi])
-        else:
-            np.copyto(nbytes, nb)
-            np.putmask(nbytes, nb <= 0, self.policy.block_bytes)
         mask = self._mask_buf
         np.copyto(mask, idx.tiers[:n])
         for h, (managed, bits) in list(self.layer_residency.items()):
@@ -395,8 +402,53 @@ class ReconcileLoop:
             admittable=np.broadcast_to(np.False_, (n,)),
             lookup=idx.slot_of,
             lookup_many=getattr(idx, "slots_of_keys", None),
+            epoch=getattr(idx, "epoch", None),
         )
-        return view, n
+        return view
+
+    def _observe_nbytes(self, n: int) -> npt.NDArray[np.signedinteger[Any]]:
+        """Block sizes of rows ``[0, n)``, unknown (<= 0) ones as ``block_bytes``: kept across ticks and
+        refreshed only where the index logged a size change (and for new rows); all rows when the log
+        does not reach back to the last tick, the index or ``block_bytes`` changed."""
+        idx = self.index
+        nb_all = idx.nbytes
+        bb = int(self.policy.block_bytes)
+        # the index's sizes are int32: so is the view's unless the default block size does not fit
+        dt = np.int32 if nb_all.dtype == np.int32 and bb <= np.iinfo(np.int32).max else np.int64
+        buf = self._nbytes_buf
+        version = getattr(idx, "nbytes_version", None)
+        key = (id(idx), bb, np.dtype(dt))
+        changed = None
+        last = self._nbytes_version
+        if version is not None and last is not None and self._nbytes_key == key and self._nbytes_n <= n:
+            changed = idx.nbytes_changed_since(last) if n <= buf.shape[0] else None
+        if changed is None:  # everything
+            if buf.shape[0] < n or buf.dtype != dt:  # (exact size first; then +25 % steps as n grows)
+                size = buf.shape[0] if buf.dtype == dt and buf.shape[0] else n
+                buf = self._nbytes_buf = np.zeros(n if size == n else grown_size(size, n), dt)
+            lo, rows = 0, np.zeros(0, np.intp)
+        else:
+            lo = self._nbytes_n
+            rows = np.asarray(changed, np.intp)
+            rows = rows[rows < lo]
+        self._nbytes_key, self._nbytes_version, self._nbytes_n = key, version, n
+        if rows.size:
+            v = nb_all[rows]
+            buf[rows] = np.where(v <= 0, bb, v)
+        if lo < n:
+            nb, out = nb_all[lo:n], buf[lo:n]
+            if nb.dtype in (np.int32, np.int64) and bb >= 0:
+                # max(nb, (nb <= 0) * bb): exact for bb >= 0, branch-free (a masked store over a random
+                # mask is ~2 ms at 1M rows); the bool mask in the tier-mask buffer (overwritten next)
+                if self._mask_buf.shape[0] < n:
+                    self._mask_buf = np.zeros(n, np.uint8)
+                unknown = np.less_equal(nb, 0, out=self._mask_buf[: n - lo].view(np.bool_))
+                np.multiply(unknown, dt(bb), out=out)
+                np.maximum(out, nb, out=out)
+            else:
+                np.copyto(out, nb, casting="unsafe")
+                np.putmask(out, nb <= 0, bb)
+        return buf[:n]
 
     def _observe_policy(self, view: BlockView, rep: TickReport, now: float) -> None:
         """Take the placement policy's resident set as the desired placement of its tier. The policy is fed
@@ -493,16 +545,33 @@ class ReconcileLoop:
         if q and q.get("auc") is not None:
             self.metrics.predictor_auc.set(float(q["auc"]))
 
-    def _predict(self, n: int, now: float, rep: TickReport) -> npt.NDArray[np.float32] | None:
-        p = self._predict_fallback(n, now, rep)
+    def _predict_ahead(self, n: int, now: float) -> Future[Any] | None:
+        """Start the predictor on a worker thread while the observe phase runs, when it only reads the
+        index (``reads_index_only``; numpy releases the GIL in its passes): on a free core its ~5-10 ms
+        at 1M blocks overlap the policy's work. Its result or error is taken in the predict phase, exactly
+        as a direct call's."""
+        pr = self.predictor
+        least = self.predict_ahead_min_rows
+        if least is None or n < least or not getattr(pr, "reads_index_only", False):
+            return None
+        if self._ahead_pool is None:
+            self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-predict")
+        return self._ahead_pool.submit(pr.predict, self.index, n, now * self.index_ms_per_s)
+
+    def _predict(
+        self, n: int, now: float, rep: TickReport, ahead: Future[Any] | None = None
+    ) -> npt.NDArray[np.float32] | None:
+        p = self._predict_fallback(n, now, rep, ahead)
         return None if p is None else self._policy_p(p, now, rep)
 
-    def _predict_fallback(self, n: int, now: float, rep: TickReport) -> npt.NDArray[np.float32] | None:
+    def _predict_fallback(
+        self, n: int, now: float, rep: TickReport, ahead: Future[Any] | None = None
+    ) -> npt.NDArray[np.float32] | None:
         now_ms = now * self.index_ms_per_s
         self._p_owned = False
         try:
             self._fault("predict")
-            p = self.predictor.predict(self.index, n, now_ms)
+            p = ahead.result() if ahead is not None else self.predictor.predict(self.index, n, now_ms)
             rep.predictor = self.predictor.name
             return self._own(self.predictor, p)
         except Exception as exc:  # noqa: BLE001
@@ -631,34 +700,57 @@ class ReconcileLoop:
     ) -> None:
         """One :class:`Decision` per move: recorded at once when nothing applies it (shadow), else queued
         in its actuator group. Counter increments go to ``tally``."""
-        for m, r in zip(moves, self._rows_of_moves(moves, view), strict=True):
-            act = self._actuator_for(m) if active else None
-            freq0 = int(self.index.freq[r]) if r >= 0 else -1
-            d = Decision(
-                id=self.decisions.new_id(),
-                tick=self.tick_no,
-                at_s=now,
-                action=m.action,
-                block=m.block,
-                src=m.src.value if m.src else None,
-                tier=_tier_name(m.dst or m.src),
-                value_s=m.value_s if math.isfinite(m.value_s) else 1e9,
-                p_reuse=float(view.p_reuse[r]) if r >= 0 else 1.0,
-                pinned=m.pinned,
-                layer=act.name if act else "shadow",
-                tokens=self.policy.block_size_tokens,
-                freq0=freq0,
-            )
-            tally[(self.metrics.decisions, (m.action, d.tier or "none"))] += 1
-            rep.decisions += 1
-            if act is None:
-                d.outcome = "shadow"
-                d.detail = "shadow mode" if not active else "no actuator supports it"
-                self._record(d, rep, tally)
-                tally[(self.metrics.actuations, ("shadow", m.action, "shadow"))] += 1
-                continue
-            ref = self._ref(m, pin_tokens)
-            groups.setdefault((act.name, m.action, m.src, m.dst), []).append((m, d, ref))
+        if not moves:
+            return
+        rows = np.asarray(self._rows_of_moves(moves, view), np.int64)
+        ok = rows >= 0
+        at = np.where(ok, rows, 0)
+        # per-move scalars in two vectorised gathers (untracked blocks: freq0 -1, p_reuse 1.0)
+        freq0s = np.where(ok, self.index.freq[at].astype(np.int64), -1).tolist()
+        ps = np.where(ok, view.p_reuse[at].astype(np.float64), 1.0).tolist()
+        ids = self.decisions.new_ids(len(moves))
+        tick, tokens = self.tick_no, self.policy.block_size_tokens
+        shadow: list[Decision] = []
+        per_label: Counter[tuple[str, str]] = Counter()
+        detail = "shadow mode" if not active else "no actuator supports it"
+        try:
+            for m, i, f0, pr in zip(moves, ids, freq0s, ps, strict=True):
+                act = self._actuator_for(m) if active else None
+                t = m.dst or m.src
+                v = m.value_s
+                d = Decision(
+                    id=i,
+                    tick=tick,
+                    at_s=now,
+                    action=m.action,
+                    block=m.block,
+                    src=m.src.value if m.src else None,
+                    tier=t.value if t is not None else None,
+                    value_s=v if math.isfinite(v) else 1e9,
+                    p_reuse=pr,
+                    pinned=m.pinned,
+                    layer=act.name if act else "shadow",
+                    tokens=tokens,
+                    freq0=f0,
+                )
+                per_label[(m.action, d.tier or "none")] += 1
+                rep.decisions += 1
+                if act is None:
+                    d.outcome = "shadow"
+                    d.detail = detail
+                    shadow.append(d)
+                    continue
+                ref = self._ref(m, pin_tokens)
+                groups.setdefault((act.name, m.action, m.src, m.dst), []).append((m, d, ref))
+        finally:  # what was decided is recorded and counted even if a later move fails
+            if shadow:
+                self.decisions.add_many(shadow)
+                rep.outcomes["shadow"] += len(shadow)
+            for (action, tier), c in per_label.items():
+                tally[(self.metrics.decisions, (action, tier))] += c
+            for action, c in Counter(d.action for d in shadow).items():
+                tally[(self.metrics.decision_outcomes, (action, "shadow"))] += c
+                tally[(self.metrics.actuations, ("shadow", action, "shadow"))] += c
 
     @staticmethod
     def _rows_of_moves(moves: list[Move], view: BlockView) -> list[int]:

@@ -13,11 +13,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.policies.index import BlockIndex
+from kvtier.policies.slotmap import grown_size
 
 Probs = npt.NDArray[np.float32]
-# freq clipped (then reused as float32 for tau), age, NaN mask
-_Scratch = tuple[npt.NDArray[np.uint32], npt.NDArray[np.float32], npt.NDArray[np.bool_]]
-_FILL_CHUNK = 65_536  # rows per step of the NaN fill (bounds its float32 temporary)
+_CHUNK = 65_536  # rows per step when (re)building the cache (bounds its temporaries)
 _FREQ_TERM = (1.0 - np.exp(-np.arange(65, dtype=np.float32) / 2.0)).astype(np.float32)
 
 
@@ -25,7 +24,9 @@ _FREQ_TERM = (1.0 - np.exp(-np.arange(65, dtype=np.float32) / 2.0)).astype(np.fl
 class ReusePredictor(Protocol):
     """``predict`` returns P(reuse) for slots ``[0, n)`` of ``index`` as of ``now_ms`` (causal: uses only
     what the index has observed). Optional class attribute ``returns_new_array = True``: every call returns
-    a new float32 array the predictor keeps no reference to, so the loop may overwrite it in place."""
+    a new float32 array the predictor keeps no reference to, so the loop may overwrite it in place.
+    ``reads_index_only = True``: ``predict`` reads the index and its own state only, so the loop may run
+    it on a worker thread beside the placement policy."""
 
     name: str
 
@@ -34,71 +35,118 @@ class ReusePredictor(Protocol):
     def info(self) -> dict[str, Any]: ...
 
 
+class _RowCache:
+    """What the last call read per row (freq, clipped to 255, and the gap EWMA's bits) and the two factors
+    it derived: the frequency term and ``-tau`` (ms). Rows whose inputs are unchanged keep their factors,
+    so a call costs one age pass plus the rows touched since the last one. 13 bytes per row."""
+
+    def __init__(self) -> None:
+        self.index: object | None = None
+        self.fill = np.float32(np.nan)
+        self.n = 0
+        self.freq = np.zeros(0, np.uint8)  # min(freq, 255): the term saturates at 64, a reset shows
+        self.gap = np.zeros(0, np.int32)  # float32 bits (NaN compares equal to itself)
+        self.ft = np.zeros(0, np.float32)
+        self.neg_tau = np.zeros(0, np.float32)
+
+    def reserve(self, n: int) -> None:
+        if self.freq.shape[0] >= n:
+            return
+        cap = grown_size(self.freq.shape[0], n)
+        for name in ("freq", "gap", "ft", "neg_tau"):
+            old = getattr(self, name)
+            new = np.zeros(cap, old.dtype)
+            new[: old.shape[0]] = old
+            setattr(self, name, new)
+
+
 class HeuristicPredictor:
-    """``P = (1 - exp(-freq / 2)) * exp(-age / tau)``; ``tau`` = 4 x the reuse-gap EWMA (or ``tau_ms``)."""
+    """``P = (1 - exp(-freq / 2)) * exp(-age / tau)``; ``tau`` = 4 x the reuse-gap EWMA (or ``tau_ms``).
+
+    Incremental: the frequency term and ``tau`` are kept per row and recomputed only for rows whose
+    ``freq`` or gap EWMA changed since the last call (and for new rows); the same values, bit for bit, as
+    the full formula (``_predict``)."""
 
     name = "heuristic"
     returns_new_array = True  # predict() returns a fresh array each call (the caller may overwrite it)
+    reads_index_only = True  # reads the index arrays and its own cache only: may run beside the policy
 
     def __init__(self, tau_ms: float = 300_000.0) -> None:
         self.tau_ms = tau_ms
-        # scratch arrays reused across calls (fresh multi-MB temporaries per tick cost page faults); a
-        # concurrent call (e.g. the API while a tick runs) allocates its own
-        self._scratch_lock = threading.Lock()
-        self._scratch: _Scratch | None = None
+        # per-row state kept across calls; a concurrent call (e.g. the API while a tick runs) computes
+        # everything afresh instead
+        self._cache_lock = threading.Lock()
+        self._cache = _RowCache()
 
     def predict(self, index: BlockIndex, n: int, now_ms: float) -> Probs:
-        if not self._scratch_lock.acquire(blocking=False):
-            return self._predict(index, n, now_ms, None)
+        if not self._cache_lock.acquire(blocking=False):
+            return self._predict(index, n, now_ms)
         try:
-            sc = self._scratch
-            if sc is None or sc[0].shape[0] != n:
-                sc = self._scratch = (np.zeros(n, np.uint32), np.zeros(n, np.float32), np.zeros(n, np.bool_))
-            return self._predict(index, n, now_ms, sc)
+            if index.freq.dtype != np.uint32 or index.gap_ewma.dtype != np.float32:
+                return self._predict(index, n, now_ms)
+            return self._predict_cached(index, n, now_ms, self._cache)
         finally:
-            self._scratch_lock.release()
+            self._cache_lock.release()
 
-    def _predict(
-        self,
-        index: BlockIndex,
-        n: int,
-        now_ms: float,
-        sc: _Scratch | None,
-    ) -> Probs:
-        freq = index.freq[:n]
-        if sc is not None and freq.dtype == np.uint32:
-            f = np.minimum(freq, len(_FREQ_TERM) - 1, out=sc[0])
-        else:
-            f = np.minimum(freq, len(_FREQ_TERM) - 1)
-        p = _FREQ_TERM[f]  # 1 - exp(-freq / 2), from a table (float32)
-        now = np.float64(now_ms)
-        if sc is not None:
-            age = np.subtract(now, index.last_access[:n], dtype=np.float32, out=sc[1])
-            # the clipped freq is used up (p holds its table values): its buffer takes tau
-            tau = np.multiply(index.gap_ewma[:n], np.float32(4.0), out=sc[0].view(np.float32))
-        else:
-            age = np.subtract(now, index.last_access[:n], dtype=np.float32)
-            tau = index.gap_ewma[:n] * np.float32(4.0)
-        np.maximum(age, 0.0, out=age)
-        nan = np.isnan(tau, out=sc[2]) if sc is not None else np.isnan(tau)
+    def _predict_cached(self, index: BlockIndex, n: int, now_ms: float, c: _RowCache) -> Probs:
         fill = np.float32(self.tau_ms)
-        step = np.float32(fill - np.float32(4.0))
-        if np.isfinite(fill) and np.float32(4.0) + step == fill:
-            # branch-free (a masked store over a random mask costs ~5 ms at 1M rows): fmax turns NaN into
-            # 4, then NaN rows get + (fill - 4) = fill exactly (checked above), the others + 0.0
-            np.fmax(tau, np.float32(4.0), out=tau)
-            buf = np.empty(min(n, _FILL_CHUNK), np.float32)
-            for lo in range(0, n, _FILL_CHUNK):
-                hi = min(n, lo + _FILL_CHUNK)
-                b = np.multiply(nan[lo:hi], step, dtype=np.float32, out=buf[: hi - lo])
-                tau[lo:hi] += b
-        else:
-            np.maximum(tau, np.float32(4.0), out=tau)
-            np.putmask(tau, nan, fill)
+        freq, gap = index.freq[:n], index.gap_ewma[:n].view(np.int32)
+        c.reserve(n)
+        same = c.index is index and c.fill.tobytes() == fill.tobytes()
+        m = min(c.n, n) if same else 0
+        c.index, c.fill, c.n = index, fill, n
+        out = np.empty(n, np.float32)  # the answer; its bytes serve as the change masks first
+        if m:
+            raw = out.view(np.uint8)  # 4n bytes: [0, m) freq clipped, [m, 2m) and [2m, 3m) the masks
+            f8 = np.minimum(freq[:m], 255, out=raw[:m], casting="unsafe")
+            d = np.not_equal(f8, c.freq[:m], out=raw[m : 2 * m].view(np.bool_))
+            d |= np.not_equal(gap[:m], c.gap[:m], out=raw[2 * m : 3 * m].view(np.bool_))
+            rows = np.flatnonzero(d)
+            if rows.size:
+                self._refresh(c, rows, freq[rows], gap[rows], fill)
+        for lo in range(m, n, _CHUNK):  # new rows (all of them after a reset), in slices
+            hi = min(n, lo + _CHUNK)
+            self._refresh(c, slice(lo, hi), freq[lo:hi], gap[lo:hi], fill)
+        age = np.subtract(np.float64(now_ms), index.last_access[:n], dtype=np.float32, out=out)
+        np.maximum(age, 0.0, out=age)
+        np.divide(age, c.neg_tau[:n], out=age)  # age / -tau == -(age / tau), exactly
+        np.exp(age, out=age)
+        age *= c.ft[:n]  # unused slots have freq 0, hence p = 0
+        return out
+
+    @staticmethod
+    def _refresh(
+        c: _RowCache,
+        rows: npt.NDArray[np.intp] | slice,
+        freq: npt.NDArray[np.uint32],
+        gap: npt.NDArray[np.int32],
+        fill: np.float32,
+    ) -> None:
+        """Recompute the cached factors of ``rows`` from their freq / gap bits (read once by the caller:
+        what is cached is what the factors came from)."""
+        f8 = np.minimum(freq, 255).astype(np.uint8)
+        c.freq[rows] = f8
+        c.gap[rows] = gap
+        c.ft[rows] = _FREQ_TERM[np.minimum(f8, len(_FREQ_TERM) - 1)]
+        tau = gap.view(np.float32) * np.float32(4.0)
+        # NaN (never re-touched) -> tau_ms; else at least 4 ms (as the full formula)
+        tau = np.where(np.isnan(tau), fill, np.maximum(tau, np.float32(4.0)))
+        c.neg_tau[rows] = np.negative(tau, out=tau)
+
+    def _predict(self, index: BlockIndex, n: int, now_ms: float) -> Probs:
+        """The full formula, every row (the reference the incremental path must equal)."""
+        freq = index.freq[:n]
+        p = _FREQ_TERM[np.minimum(freq, len(_FREQ_TERM) - 1)]  # 1 - exp(-freq / 2), from a table
+        age = np.subtract(np.float64(now_ms), index.last_access[:n], dtype=np.float32)
+        tau = index.gap_ewma[:n] * np.float32(4.0)
+        np.maximum(age, 0.0, out=age)
+        nan = np.isnan(tau)
+        np.maximum(tau, np.float32(4.0), out=tau)
+        np.putmask(tau, nan, np.float32(self.tau_ms))
         np.divide(age, tau, out=age)
         np.negative(age, out=age)
         np.exp(age, out=age)
-        p *= age  # unused slots have freq 0, hence p = 0
+        p *= age
         return p
 
     def info(self) -> dict[str, Any]:

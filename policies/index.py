@@ -14,8 +14,10 @@ stalest blocks that are resident nowhere and have no tracked children.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +29,8 @@ _U64 = 1 << 64
 _I64_MAX = (1 << 63) - 1
 _N_TIERS = len(TIER_ORDER)
 _EWMA_ALPHA = 0.3
+_NBYTES_LOG = 65_536  # size changes remembered for incremental readers
+_NBYTES_MAX = 2**31 - 1  # per-block KV bytes are int32 (a 256-token chunk of a 405B model is ~130 MB)
 
 
 class IndexFullError(MemoryError):
@@ -95,6 +99,10 @@ class BlockIndex:
         self._free: list[int] = []
         self._n = 0  # high-water mark of used slots
         self.reclaimed = 0  # slots reclaimed under max_blocks pressure
+        # block sizes change rarely (stores with a size, slot drops): the last changed rows, so a reader
+        # of ``nbytes`` can refresh only those (:meth:`nbytes_changed_since`); write sizes through here
+        self.nbytes_version = 0
+        self._nbytes_log: deque[int] = deque(maxlen=_NBYTES_LOG)
         cap = max(16, initial_capacity if max_blocks is None else min(initial_capacity, max_blocks))
         self._alloc(cap)
 
@@ -109,7 +117,7 @@ class BlockIndex:
         self.freq = np.zeros(cap, dtype=np.uint32)
         self.last_gap = np.full(cap, np.nan, dtype=np.float32)
         self.gap_ewma = np.full(cap, np.nan, dtype=np.float32)
-        self.nbytes = np.zeros(cap, dtype=np.int64)
+        self.nbytes = np.zeros(cap, dtype=np.int32)  # KV bytes (0 = unknown); < 2 GiB per block
         self.n_children = np.zeros(cap, dtype=np.int32)
         self.res_children = np.zeros((cap, _N_TIERS), dtype=np.int32)
         self.used = np.zeros(cap, dtype=np.bool_)
@@ -144,6 +152,29 @@ class BlockIndex:
         """Changes whenever a slot is dropped (and may be reused for another hash): a cached hash -> slot
         mapping taken under the same epoch is still valid."""
         return self.reclaimed
+
+    def set_nbytes(self, s: int, nbytes: int) -> None:
+        """Set slot ``s``'s size (bytes; 0 = unknown) and log the change."""
+        self.nbytes[s] = nbytes
+        self.nbytes_version += 1
+        self._nbytes_log.append(s)
+
+    def note_nbytes_changed(self, slots: npt.NDArray[np.intp]) -> None:
+        """Log a bulk write of ``nbytes[slots]`` (made by the caller)."""
+        if slots.size > _NBYTES_LOG:
+            self.nbytes_version += _NBYTES_LOG + 1  # more than the log holds: readers refresh everything
+            self._nbytes_log.clear()
+            return
+        self.nbytes_version += int(slots.size)
+        self._nbytes_log.extend(slots.tolist())
+
+    def nbytes_changed_since(self, version: int) -> list[int] | None:
+        """Slots whose size changed after ``nbytes_version`` was ``version`` (repeats possible), or None
+        when the log no longer reaches back that far (refresh every row)."""
+        k = self.nbytes_version - version
+        if k < 0 or k > len(self._nbytes_log):
+            return None
+        return list(islice(reversed(self._nbytes_log), k))
 
     def nbytes_per_block(self) -> float:
         """Approximate memory per tracked block (arrays per allocated slot + the hash map), bytes."""
@@ -213,7 +244,8 @@ class BlockIndex:
         self.freq[s] = 0
         self.last_gap[s] = np.nan
         self.gap_ewma[s] = np.nan
-        self.nbytes[s] = 0
+        if self.nbytes[s]:
+            self.set_nbytes(s, 0)
         self.n_children[s] = 0
         self.res_children[s] = 0
         self._free.append(s)
@@ -284,6 +316,8 @@ class BlockIndex:
         return self._store(to_key(h), pkey, _tier_rank(tier), nbytes, t)
 
     def _store(self, key: int, pkey: int | None, r: int, nbytes: int, t: float) -> bool:
+        if not -_NBYTES_MAX <= nbytes <= _NBYTES_MAX:  # checked before any state changes
+            raise ValueError(f"block size {nbytes} bytes out of range (at most {_NBYTES_MAX} per block)")
         s = self._slot.get(key)
         if s < 0:
             s = self._new_slot(key)
@@ -294,8 +328,8 @@ class BlockIndex:
                 self._link(s, pkey)
         elif pkey is not None and self.parent[s] < 0:
             self._link(s, pkey)
-        if nbytes:
-            self.nbytes[s] = nbytes
+        if nbytes and self.nbytes[s] != nbytes:
+            self.set_nbytes(s, nbytes)
         return self._set_tier(s, r)
 
     def store_chain(

@@ -244,7 +244,10 @@ def _allocate(
         idx.last_access[s] = tf
         idx.last_gap[s] = np.nan
         idx.gap_ewma[s] = np.nan
+        changed = s[idx.nbytes[s] != 0]
         idx.nbytes[s] = 0
+        if changed.size:
+            idx.note_nbytes_changed(changed)
         idx.n_children[s] = 0
         idx.res_children[s] = 0
         idx.used[s] = True

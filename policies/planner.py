@@ -28,12 +28,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from operator import itemgetter
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.policies.inflight import InFlightMoves
 from kvtier.policies.tiers import TIER_ORDER, Tier
 
 Action = Literal["promote", "demote", "prefetch", "pin", "evict", "admit"]
@@ -42,7 +42,6 @@ NOWHERE = "none"  # link end for admissions (recompute / load from outside) and 
 
 
 _BITS = {t: 1 << i for i, t in enumerate(TIER_ORDER)}
-_AT, _CLEAR, _PUT = itemgetter(0), itemgetter(2), itemgetter(3)  # fields of Planner._last_move values
 # residency mask -> rank of its fastest tier (len(TIER_ORDER) when empty), as a 256-entry lookup table
 _FIRST_RANK = np.array(
     [next((r for r in range(len(TIER_ORDER)) if m >> r & 1), len(TIER_ORDER)) for m in range(256)], np.int8
@@ -119,12 +118,14 @@ class BlockView:
     hashes: npt.NDArray[np.int64]
     tier_mask: npt.NDArray[np.uint8]
     tokens: npt.NDArray[np.int32]
-    nbytes: npt.NDArray[np.int64]
+    nbytes: npt.NDArray[np.signedinteger[Any]]  # int32 or int64
     p_reuse: npt.NDArray[np.float32]
     admittable: npt.NDArray[np.bool_]
     lookup: Callable[[int], int] | None = None  # block -> row (-1 if absent); faster than a scan
     # vectorised ``lookup`` of int64 block keys (-1 where absent); preferred when set
     lookup_many: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.int64]] | None = None
+    # the index's slot epoch (row <-> block mappings taken under it stay valid); None = unknown
+    epoch: object = None
 
     def rows_all(self, blocks: Collection[int]) -> npt.NDArray[np.int64]:
         """Row of each block, -1 where absent (aligned with ``blocks``)."""
@@ -215,6 +216,7 @@ class Planner:
         self._buckets: dict[str, _Bucket] = {}
         # block -> (now_s, move, bits it clears, bits it sets), ordered by commit time
         self._last_move: dict[int, tuple[float, Move, int, int]] = {}
+        self._inflight = InFlightMoves()  # the same moves as arrays (the tick's in-flight pass)
 
     def reconfigure(self, config: PlannerConfig) -> None:
         """Swap the config at a tick boundary (buckets are kept, clipped to the new depth)."""
@@ -249,12 +251,14 @@ class Planner:
             clear = _BITS[m.src] if m.action in ("demote", "evict") and m.src is not None else 0
             put = _BITS[m.dst] if m.dst is not None and m.action != "evict" else 0
             lm[m.block] = (now_s, m, clear, put)
+            self._inflight.record(m.block, now_s, clear, put)
         horizon = now_s - max(self.config.hysteresis_s, self.config.pin_retry_s)
         while lm:
             k = next(iter(lm))
             if lm[k][0] >= horizon:
                 break
             del lm[k]
+        self._inflight.expire(horizon)
 
     def last_move_s(self, block: int) -> float | None:
         v = self._last_move.get(block)
@@ -267,23 +271,13 @@ class Planner:
         n = len(view)
         mask = view.tier_mask
         recent = np.zeros(n, np.bool_)
-        horizon = now_s - self.config.hysteresis_s
-        lm = self._last_move
-        if not lm:
+        if not len(self._inflight):
             return recent, mask
-        vals = list(lm.values())
-        at = np.fromiter(map(_AT, vals), np.float64, len(vals))  # (map + itemgetter: no Python frames)
-        live = at > horizon
-        if not live.any():
+        rows, clear, put = self._inflight.live_rows(
+            now_s - self.config.hysteresis_s, view.hashes, view.rows_all, view.epoch
+        )
+        if rows.size == 0:
             return recent, mask
-        keys = np.fromiter(lm.keys(), np.int64, len(vals))[live]
-        rows = view.rows_all(keys)
-        ok = rows >= 0
-        if not ok.any():
-            return recent, mask
-        clear = np.fromiter(map(_CLEAR, vals), np.uint8, len(vals))[live][ok]
-        put = np.fromiter(map(_PUT, vals), np.uint8, len(vals))[live][ok]
-        rows = rows[ok]
         recent[rows] = True
         mask = mask.copy()
         mask[rows] = (mask[rows] & ~clear) | put
@@ -344,12 +338,16 @@ class Planner:
         for sp in specs:
             bw[sp.tier.rank] = sp.load_bandwidth_bytes_s
         ops_cap = self._ops_cap()
+        tok_const = float(view.tokens[0]) if n and view.tokens.strides == (0,) else None
 
         def val(rows: npt.NDArray[np.intp], rank: int | npt.NDArray[np.int8]) -> npt.NDArray[np.float64]:
             """v at tier ``rank`` for ``rows`` (rank 4 = not resident: 0)."""
             # p * (tokens * prefill_s_per_token - nbytes / bw), in place (same operations, same rounding)
             out = view.p_reuse.take(rows).astype(np.float64)
-            saved = view.tokens.take(rows).astype(np.float64)
+            if tok_const is not None:  # the loop's tokens: one value broadcast to every row
+                saved = np.full(len(rows), tok_const)
+            else:
+                saved = view.tokens.take(rows).astype(np.float64)
             saved *= cfg.prefill_s_per_token
             load = view.nbytes.take(rows).astype(np.float64)
             load /= bw[rank]
@@ -484,11 +482,15 @@ class Planner:
 
         # 4. spend the link budgets: class first (pins, shedding, gains), then highest value.
         candidates.sort(key=lambda c: (c[0], c[1]))
+        # each link's bucket is refilled once per plan (a refill at the same now_s changes nothing)
+        refilled: dict[tuple[Tier | None, Tier | None], _Bucket] = {}
         for _, _, m in candidates:
             if allowed is not None and m.action not in allowed:
                 continue
             plan.tried[m.action] += 1
-            bk = self._bucket(m.link, now_s)
+            bk = refilled.get((m.src, m.dst))
+            if bk is None:
+                bk = refilled[(m.src, m.dst)] = self._bucket(m.link, now_s)
             if bk.ops < 1.0 or bk.bytes < m.nbytes:
                 plan.deferred[m.action] += 1
                 continue
@@ -656,8 +658,12 @@ class _ValueBounds:
         self.p = view.p_reuse
         self.bw = bw
         self.c = prefill_s_per_token
-        self.tok_min = float(view.tokens.min()) if len(view) else 0.0
-        self.tok_max = float(view.tokens.max()) if len(view) else 0.0
+        tok = view.tokens
+        if len(view) and tok.strides == (0,):  # one value broadcast to every row (the loop's view)
+            self.tok_min = self.tok_max = float(tok[0])
+        else:
+            self.tok_min = float(tok.min()) if len(view) else 0.0
+            self.tok_max = float(tok.max()) if len(view) else 0.0
         self.nb_min = float(view.nbytes.min()) if len(view) else 0.0
         self.nb_max = float(view.nbytes.max()) if len(view) else 0.0
 

@@ -7,6 +7,7 @@ test_vllm_warmup_e2e.py.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import pytest
@@ -147,6 +148,60 @@ def test_predictor_failure_falls_back_to_heuristic_and_counts() -> None:
     loop.fault.clear()
     rep = loop.tick()
     assert rep.outcome == "ok" and rep.predictor == "heuristic" and rep.decisions == 2
+    assert (
+        reg.get_sample_value("kvtier_loop_fallbacks_total", {"stage": "predict", "fallback": "heuristic"})
+        == 1
+    )
+
+
+def test_predictor_run_ahead_on_a_worker_gives_the_same_ticks_and_its_failure_falls_back() -> None:
+    """The heuristic predictor (index-only) runs on a worker thread during observe when the index has
+    enough rows; forced on here (threshold 0): same decisions as the inline call, and a predictor that
+    raises on the worker falls back exactly as an inline failure does."""
+    runs = {}
+    for ahead in (False, True):
+        loop, idx, act, reg, _, clock = make(mode="shadow")
+        loop.predict_ahead_min_rows = 0 if ahead else 1 << 62
+        fill_gpu(idx, clock)
+        reps = []
+        for _ in range(3):
+            reps.append(loop.tick())
+            clock.t += 1
+        assert (loop._ahead_pool is not None) == ahead
+        runs[ahead] = [(r.decisions, r.predictor) for r in reps], [
+            (d.action, d.block, d.tier, d.p_reuse) for d in loop.decisions.query()
+        ]
+    assert runs[True] == runs[False] and runs[True][0][0][0] == 2
+
+    threads: list[str] = []
+
+    class BrokenIndexOnly:
+        name = "learned"
+        reads_index_only = True
+
+        def predict(self, *a: object) -> object:
+            threads.append(threading.current_thread().name)
+            raise RuntimeError("model exploded")
+
+        def info(self) -> dict[str, object]:
+            return {}
+
+    loop, idx, act, reg, _, clock = make()
+    loop.predict_ahead_min_rows = 0
+    fill_gpu(idx, clock)
+    loop.predictor = BrokenIndexOnly()  # type: ignore[assignment]
+    rep = loop.tick()
+    assert threads and threads[0].startswith("kvtier-predict")
+    assert rep.outcome == "ok" and rep.predictor == "heuristic" and rep.decisions == 2
+    assert (
+        reg.get_sample_value("kvtier_loop_fallbacks_total", {"stage": "predict", "fallback": "heuristic"})
+        == 1
+    )
+    # observe fails: the worker is cancelled or its error collected (not raised, not counted as predict)
+    loop.fault["observe"] = RuntimeError("collector down")
+    rep = loop.tick()
+    assert rep.decisions == 0 and len(threads) in (1, 2)
+    assert [f.split(":")[0] for f in rep.fallbacks] == ["observe->no_action"]
     assert (
         reg.get_sample_value("kvtier_loop_fallbacks_total", {"stage": "predict", "fallback": "heuristic"})
         == 1

@@ -34,10 +34,48 @@ def test_heuristic_matches_the_reference_formula_exactly(tau_ms: float) -> None:
     for now in (3.9e6, 4.2e6):
         want = _reference(idx, n, now, tau_ms)
         with_scratch = pred.predict(idx, n, now).copy()
-        without = pred._predict(idx, n, now, None)
+        without = pred._predict(idx, n, now)
         assert with_scratch.dtype == np.float32
         assert np.array_equal(with_scratch.view(np.uint32), want.view(np.uint32))
         assert np.array_equal(without.view(np.uint32), want.view(np.uint32))
+
+
+def test_heuristic_incremental_rows_equal_the_full_formula_after_every_kind_of_change() -> None:
+    """Between calls: touches (freq + gap change), a removed and re-stored slot, new rows (n grows), a
+    tau_ms change, another index object. Every call equals the reference bit for bit."""
+    rng = np.random.default_rng(11)
+    idx = BlockIndex(initial_capacity=1024)
+    for b in range(1, 601):
+        idx.store(b, b - 1 if b % 8 != 1 else None, 1, 65536, float(b))
+    pred = HeuristicPredictor(tau_ms=300_000.0)
+    now = 10_000.0
+
+    def check(index: BlockIndex) -> None:
+        n = int(index._n)
+        got = pred.predict(index, n, now)
+        want = _reference(index, n, now, pred.tau_ms)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+    check(idx)
+    for _ in range(6):
+        now += 1000.0
+        for b in rng.integers(1, 601, 40).tolist():  # touches: freq and the gap EWMA move
+            idx.touch(int(b), now - 500.0)
+        check(idx)
+    old = int(rng.integers(1, 601))
+    idx.remove(old)  # frees the slot; a new block takes it over with freq 1 and no gap
+    idx.store(10_001, None, 1, 65536, now)
+    check(idx)
+    for b in range(20_000, 20_400):  # new rows past the cached n
+        idx.store(b, None, 2, 0, now)
+    check(idx)
+    pred.tau_ms = 12_345.0  # the NaN rows' tau changes
+    check(idx)
+    other = BlockIndex(initial_capacity=64)
+    for b in range(1, 40):
+        other.store(b, None, 1, 65536, float(b))
+    check(other)
+    check(idx)
 
 
 class _Kept:
@@ -119,12 +157,67 @@ def test_observe_fills_unknown_sizes_with_block_bytes_exactly() -> None:
         idx.store(b, None, 1, 4096, 1000.0)
     idx._n = n  # every row is observed (only the size column matters here)
     rng = np.random.default_rng(1)
-    nb = rng.integers(1, 1 << 40, n)
+    nb = rng.integers(1, 1 << 31, n)
     nb[rng.random(n) < 0.3] = 0
-    nb[:3] = [-5, 0, 1]
+    nb[:4] = [-5, 0, 1, (1 << 31) - 1]
     idx.nbytes[:n] = nb
+    # a default that fits int32 (the view stays int32), and one that does not (the view widens)
+    for bb, dt in ((777, np.int32), (1 << 40, np.int64)):
+        doc = PolicyDoc(mode="shadow", tiers=[TierConfig(tier=Tier.CPU, capacity_blocks=50)], block_bytes=bb)
+        metrics = ControllerMetrics(CollectorRegistry())
+        loop = ReconcileLoop(idx, policy=doc, metrics=metrics, clock=lambda: 1.0)
+        view = loop._observe()
+        m = len(view)
+        assert m == n and view.nbytes.dtype == dt
+        assert np.array_equal(view.nbytes, np.where(nb <= 0, bb, nb))
+
+
+def test_index_rejects_a_block_size_beyond_int32_before_changing_anything() -> None:
+    idx = BlockIndex(initial_capacity=16)
+    with pytest.raises(ValueError, match="out of range"):
+        idx.store(5, None, 1, 1 << 31, 1.0)
+    assert idx.get(5) is None and len(idx) == 0
+    idx.store(5, None, 1, (1 << 31) - 1, 1.0)
+    assert idx.get(5).nbytes == (1 << 31) - 1
+
+
+def test_observed_sizes_refresh_incrementally_and_equal_a_full_fill_after_every_kind_of_change() -> None:
+    """The view's sizes are kept across ticks and refreshed from the index's change log: stores with a
+    size, a store that changes it, removals (the slot's size resets), new rows, a ``block_bytes`` change,
+    more changes than the log holds. Each observe equals a loop that fills every row afresh."""
+    from prometheus_client import CollectorRegistry
+
+    from kvtier.controller.loop import ReconcileLoop
+    from kvtier.controller.metrics import ControllerMetrics
+    from kvtier.controller.policy_doc import PolicyDoc, TierConfig
+    from kvtier.policies.tiers import Tier
+
+    idx = BlockIndex(initial_capacity=1024)
+    for b in range(1, 501):
+        idx.store(b, None, 1, 4096 if b % 3 else 0, 1000.0)
     doc = PolicyDoc(mode="shadow", tiers=[TierConfig(tier=Tier.CPU, capacity_blocks=50)], block_bytes=777)
     loop = ReconcileLoop(idx, policy=doc, metrics=ControllerMetrics(CollectorRegistry()), clock=lambda: 1.0)
-    view, m = loop._observe()
-    assert m == n and view.nbytes.dtype == np.int64
-    assert np.array_equal(view.nbytes, np.where(nb <= 0, 777, nb))
+
+    def check() -> None:
+        got = loop._observe().nbytes
+        n = int(idx._n)
+        want = np.where(idx.nbytes[:n] <= 0, loop.policy.block_bytes, idx.nbytes[:n])
+        assert got.shape == (n,) and np.array_equal(got, want)
+
+    check()
+    idx.store(7, None, 2, 123_456, 2000.0)  # a size change on an existing block
+    idx.store(9, None, 2, 0, 2000.0)  # no size: unchanged
+    check()
+    idx.remove(2)  # drops the block (its slot's size resets) ...
+    idx.store(10_001, None, 1, 0, 3000.0)  # ... and a new unsized block takes the slot
+    check()
+    for b in range(20_000, 20_300):  # new rows past the last observe
+        idx.store(b, None, 1, 55 if b % 2 else 0, 4000.0)
+    check()
+    loop.policy = loop.policy.model_copy(update={"block_bytes": 999})
+    check()
+    for b in range(1, 501):  # more size changes than the log remembers: a full refresh
+        for k in range(140):
+            idx.store(b, None, 1, 100 + k, 5000.0)
+    assert idx.nbytes_changed_since(0) is None
+    check()
