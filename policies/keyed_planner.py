@@ -141,11 +141,13 @@ class KeyedPlanner:
             self.key[:n] += bias
         self.compact()
 
-    def unbias(self, slots: npt.NDArray[np.int64], bias: float) -> None:
+    def unbias(self, slots: npt.NDArray[np.int64], bias: float, exact: bool = False) -> None:
         """Take ``bias`` off the keys of the resident ones among ``slots`` whose key carries it (key >
-        bias / 2); evictable leaves re-enter the heap with their lower key."""
+        bias / 2, or all of them if ``exact``: the caller knows they carry it); evictable leaves
+        re-enter the heap with their lower key."""
         s = slots[self.resident[slots]]
-        s = s[self.key[s] > bias / 2]
+        if not exact:
+            s = s[self.key[s] > bias / 2]
         if s.size == 0:
             return
         self.key[s] -= bias

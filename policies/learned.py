@@ -11,9 +11,11 @@ the smallest key, dropped again with the rest of the request.
 
 Experts: full-size shadow caches serve every request too -- the learned planner alone at recency scales
 ``tau x learned_mults`` and the classic policies named in ``experts`` (default ARC). The real cache
-follows the one with a significant paired lead in prefix-hit tokens over a decayed window; on a switch
-it keeps its contents and evicts first what the new leader does not hold (no block appears without a
-miss).
+follows the one with a significant paired lead in prefix-hit tokens (>= ``switch_margin`` x) over a
+decayed window; on a switch it keeps its contents and from then on ranks by its own learned key plus
+``lead_bias`` log-odds for the blocks the new leader holds (a soft preference: a block the leader
+dropped can still outrank a leader-held one with much lower odds, so a short-lived or noisy lead costs
+little; no block appears without a miss).
 
 Causal: a training row is (features of an access, age a) -> "next access in (a, a + h]", used only
 once ``a + h`` has passed; ``h`` and the ages follow the cache's own time scale (ages of recently
@@ -38,7 +40,7 @@ from kvtier.policies.slotmap import LogitCache, SlotMap, grown_size
 _I64 = np.int64
 DEFAULT_EXPERTS = ("arc",)  # classic policies shadowed at full size as experts next to the learned planner
 _REKEY_CHUNK = 16384  # rows per model call when re-keying every resident block after a refit
-_LEAD_BIAS = 1e12  # added to the real cache's key of a block the followed expert holds (keys are O(1e6))
+_LEAD_BIAS = 3.0  # log-odds added to the real cache's key of a block the followed expert holds
 
 
 def _prefix_tokens(hit: npt.NDArray[np.bool_], req: Request) -> float:
@@ -59,17 +61,18 @@ class LearnedPolicy(Policy):
         seed: int = 0,
         horizon_s: float = 300.0,
         retrain_every: int = 1000,
-        max_train: int = 8000,
+        max_train: int = 16000,
         min_class: int = 200,
         tau_mode: str = "gap",
         experts: tuple[str, ...] = DEFAULT_EXPERTS,
-        learned_mults: tuple[float, ...] = (0.25, 1.0, 8.0),
+        learned_mults: tuple[float, ...] = (0.1, 1.0, 8.0),
         switch_every: int = 100,
-        switch_margin: float = 1.0,
+        switch_margin: float = 1.01,
         switch_z: float = 0.5,
         recency_mult: float = 1.0,
         expert_decay: float = 0.998,
         event_buffer: int = 1 << 18,
+        lead_bias: float = _LEAD_BIAS,
     ) -> None:
         super().__init__(capacity_blocks, seed=seed)
         self.horizon_ms = horizon_s * 1000.0
@@ -81,6 +84,7 @@ class LearnedPolicy(Policy):
         self.switch_margin = switch_margin
         self.switch_z = switch_z
         self.expert_decay = expert_decay
+        self.lead_bias = lead_bias
         self.fallback_tau_s = 60.0
         self.tau_s = self.fallback_tau_s
         self._train_rng = np.random.default_rng(seed + 1)
@@ -109,6 +113,7 @@ class LearnedPolicy(Policy):
         self._n_keyed = len(self._keyed)
         # membership of each classic expert's resident set, per slot (advisory: it only biases eviction)
         self._member = [np.zeros(cap0, dtype=bool) for _ in self._classic]
+        self._biased = np.zeros(cap0, dtype=bool)  # the real cache's key of this slot carries lead_bias
         self._lead = learned_mults.index(recency_mult) if recency_mult in learned_mults else 0
         # the real cache is the leading learned expert itself until the first switch (see _maybe_alias)
         aliased = bool(self._keyed) and self._keyed[self._lead].mult == recency_mult
@@ -178,6 +183,9 @@ class LearnedPolicy(Policy):
             arr = np.zeros(new, dtype=bool)
             arr[:size] = m
             self._member[i] = arr
+        arr = np.zeros(new, dtype=bool)
+        arr[:size] = self._biased
+        self._biased = arr
         self._views()
 
     def _views(self) -> None:
@@ -312,11 +320,17 @@ class LearnedPolicy(Policy):
                 if nk + i == self._lead:
                     dropped = es
         if not aliased:
-            # the real cache: leaves outside the leader's set go first; the learned key breaks ties
+            # the real cache: its learned key + lead_bias (log-odds) on the blocks the leader holds
             lead_in = self._lead_member()
+            lb = self.lead_bias
             if len(dropped):
-                self._real.unbias(np.asarray(dropped, dtype=_I64), _LEAD_BIAS)
-            hit = self._real.serve(slots, base + _LEAD_BIAS * lead_in[slots], self._v_par, ev)
+                d = np.asarray(dropped, dtype=_I64)
+                d = d[self._biased[d]]
+                self._biased[d] = False
+                self._real.unbias(d, lb, exact=True)
+            li = lead_in[slots]
+            self._biased[slots] = li
+            hit = self._real.serve(slots, base + lb * li, self._v_par, ev)
         if ev:
             es = np.asarray(ev, dtype=_I64)
             self._evicted.extend(self._ids[es].tolist())
@@ -383,8 +397,9 @@ class LearnedPolicy(Policy):
         replaces the current expert c only if over the decayed window it got more tokens by
         ``switch_margin`` and the paired lead is ``switch_z`` standard errors above zero
         (``D[j, c] / sqrt(Q[j, c])``). This is the hysteresis: noise on short traces does not switch.
-        The real cache keeps its contents (hand-off): from now on it evicts first what the new leader
-        does not hold, so it converges to the leader's set by its own misses, never by teleporting blocks.
+        The real cache keeps its contents (hand-off): from now on blocks the new leader holds get
+        ``lead_bias`` extra log-odds in its key, so it drifts towards the leader's set by its own misses,
+        never by teleporting blocks.
         """
         c = self._lead
         best, best_z = -1, self.switch_z
@@ -585,7 +600,11 @@ class LearnedPolicy(Policy):
         last_s = self._last_ms[:n] / 1000.0
         for pl in planners:
             own = pl is self._real and not self._aliased()
-            bias = np.where(self._lead_member()[:n], _LEAD_BIAS, 0.0) if own else None
+            bias = None
+            if own:
+                lm = self._lead_member()[:n]
+                self._biased[:n] = lm
+                bias = np.where(lm, self.lead_bias, 0.0)
             pl.rekey(z, last_s, self.tau_s, bias)
 
     def train_horizon_ms(self) -> float:
