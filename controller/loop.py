@@ -706,12 +706,12 @@ class ReconcileLoop:
         ok = np.flatnonzero(rows >= 0)
         # per-move scalars in two vectorised gathers (untracked blocks, e.g. a pinned prefix vLLM has not
         # stored yet: freq0 -1, p_reuse 1.0)
-        f0 = np.full(rows.shape[0], -1, np.int64)
-        pr = np.ones(rows.shape[0], np.float64)
+        freq0_of = np.full(rows.shape[0], -1, np.int64)
+        p_of = np.ones(rows.shape[0], np.float64)
         if ok.size:
-            f0[ok] = self.index.freq[rows[ok]]
-            pr[ok] = view.p_reuse[rows[ok]]
-        freq0s, ps = f0.tolist(), pr.tolist()
+            freq0_of[ok] = self.index.freq[rows[ok]]
+            p_of[ok] = view.p_reuse[rows[ok]]
+        freq0s, ps = freq0_of.tolist(), p_of.tolist()
         ids = self.decisions.new_ids(len(moves))
         tick, tokens = self.tick_no, self.policy.block_size_tokens
         shadow: list[Decision] = []
