@@ -79,8 +79,6 @@ LAYER_TIERS: dict[str, frozenset[Tier]] = {
 _OUTCOME: dict[str, DecisionOutcome] = {"applied": "applied", "failed": "failed", "skipped": "skipped"}
 
 
-
-
 def _tier_name(t: Tier | None) -> str | None:
     return t.value if t is not None else None
 
@@ -423,9 +421,9 @@ class ReconcileLoop:
         if version is not None and last is not None and self._nbytes_key == key and self._nbytes_n <= n:
             changed = idx.nbytes_changed_since(last) if n <= buf.shape[0] else None
         if changed is None:  # everything
-            if buf.shape[0] < n or buf.dtype != dt:  # (exact size first; then +25 % steps as n grows)
-                size = buf.shape[0] if buf.dtype == dt and buf.shape[0] else n
-                buf = self._nbytes_buf = np.zeros(n if size == n else grown_size(size, n), dt)
+            if buf.shape[0] < n or buf.dtype != dt:  # exact size first, then grown steps as n grows
+                grow = buf.dtype == dt and buf.shape[0] > 0
+                buf = self._nbytes_buf = np.zeros(grown_size(buf.shape[0], n) if grow else n, dt)
             lo, rows = 0, np.zeros(0, np.intp)
         else:
             lo = self._nbytes_n

@@ -338,7 +338,7 @@ class Planner:
         for sp in specs:
             bw[sp.tier.rank] = sp.load_bandwidth_bytes_s
         ops_cap = self._ops_cap()
-        tok_const = float(view.tokens[0]) if n and view.tokens.strides == (0,) else None
+        tok_const = _broadcast_value(view.tokens)
 
         def val(rows: npt.NDArray[np.intp], rank: int | npt.NDArray[np.int8]) -> npt.NDArray[np.float64]:
             """v at tier ``rank`` for ``rows`` (rank 4 = not resident: 0)."""
@@ -658,9 +658,9 @@ class _ValueBounds:
         self.p = view.p_reuse
         self.bw = bw
         self.c = prefill_s_per_token
-        tok = view.tokens
-        if len(view) and tok.strides == (0,):  # one value broadcast to every row (the loop's view)
-            self.tok_min = self.tok_max = float(tok[0])
+        tok, one = view.tokens, _broadcast_value(view.tokens)
+        if one is not None:
+            self.tok_min = self.tok_max = one
         else:
             self.tok_min = float(tok.min()) if len(view) else 0.0
             self.tok_max = float(tok.max()) if len(view) else 0.0
@@ -717,6 +717,12 @@ class _ValueBounds:
         if not theta > 0.0:
             return rows
         return rows[bound >= theta]
+
+
+def _broadcast_value(a: npt.NDArray[Any]) -> float | None:
+    """The single value of a non-empty 1-D array broadcast to every row (the loop's token column), else
+    None (then a gather or a reduction is needed)."""
+    return float(a[0]) if a.shape[0] and a.strides == (0,) else None
 
 
 def _smallest(values: npt.NDArray[np.float64], k: int) -> npt.NDArray[np.intp]:
