@@ -73,6 +73,7 @@ class LearnedPolicy(Policy):
         expert_decay: float = 0.998,
         event_buffer: int = 1 << 18,
         lead_bias: float = _LEAD_BIAS,
+        home_z: float | None = None,
     ) -> None:
         super().__init__(capacity_blocks, seed=seed)
         self.horizon_ms = horizon_s * 1000.0
@@ -85,6 +86,8 @@ class LearnedPolicy(Policy):
         self.switch_z = switch_z
         self.expert_decay = expert_decay
         self.lead_bias = lead_bias
+        # evidence (standard errors) needed to leave the starting expert; None: switch_z like any other
+        self.home_z = switch_z if home_z is None else home_z
         self.fallback_tau_s = 60.0
         self.tau_s = self.fallback_tau_s
         self._train_rng = np.random.default_rng(seed + 1)
@@ -115,6 +118,7 @@ class LearnedPolicy(Policy):
         self._member = [np.zeros(cap0, dtype=bool) for _ in self._classic]
         self._biased = np.zeros(cap0, dtype=bool)  # the real cache's key of this slot carries lead_bias
         self._lead = learned_mults.index(recency_mult) if recency_mult in learned_mults else 0
+        self._home = self._lead  # the starting expert (the model's own time scale by default)
         # the real cache is the leading learned expert itself until the first switch (see _maybe_alias)
         aliased = bool(self._keyed) and self._keyed[self._lead].mult == recency_mult
         self._real = self._keyed[self._lead] if aliased else KeyedPlanner(capacity_blocks, recency_mult, cap0)
@@ -396,13 +400,15 @@ class LearnedPolicy(Policy):
         All experts serve the same requests, so their per-request prefix-hit tokens are paired: expert j
         replaces the current expert c only if over the decayed window it got more tokens by
         ``switch_margin`` and the paired lead is ``switch_z`` standard errors above zero
-        (``D[j, c] / sqrt(Q[j, c])``). This is the hysteresis: noise on short traces does not switch.
+        (``D[j, c] / sqrt(Q[j, c])``; ``home_z`` while c is the starting expert, so leaving the model's
+        own time scale can take more evidence than coming back to it). This is the hysteresis: noise on
+        short traces does not switch.
         The real cache keeps its contents (hand-off): from now on blocks the new leader holds get
         ``lead_bias`` extra log-odds in its key, so it drifts towards the leader's set by its own misses,
         never by teleporting blocks.
         """
         c = self._lead
-        best, best_z = -1, self.switch_z
+        best, best_z = -1, self.home_z if c == self._home else self.switch_z
         for j in range(len(self.expert_names)):
             if j == c or self._ex_S[j] <= self.switch_margin * self._ex_S[c]:
                 continue

@@ -182,6 +182,25 @@ def test_expert_switch_needs_a_significant_paired_lead() -> None:
     assert sw["from"] == "learned" and sw["to"] == "learned-tau-x4" and sw["z"] == pytest.approx(3.0)
 
 
+def test_leaving_the_home_expert_takes_home_z_but_coming_back_takes_switch_z() -> None:
+    """Asymmetric hysteresis: with ``home_z`` 2 a lead of 1.5 s.e. does not pull the real cache off its
+    starting expert, 2.5 s.e. does; from there a 1 s.e. lead of the home expert is enough to return."""
+    pol = LearnedPolicy(100, learned_mults=(1.0, 8.0), experts=(), switch_margin=1.0, home_z=2.0)
+    assert pol.home_z == 2.0 and pol.switch_z == 0.5 and pol._real.mult == 1.0
+    pol._ex_S[:] = (1000.0, 1100.0)
+    pol._ex_D[1, 0], pol._ex_Q[1, 0] = 100.0, (100.0 / 1.5) ** 2  # z = 1.5 < home_z
+    pol._follow_leader()
+    assert pol.switch_log == [] and pol._real.mult == 1.0
+    pol._ex_Q[1, 0] = (100.0 / 2.5) ** 2  # z = 2.5
+    pol._follow_leader()
+    assert pol._real.mult == 8.0 and pol.switch_log[-1]["to"] == "learned-tau-x8"
+    pol._ex_S[:] = (1100.0, 1000.0)
+    pol._ex_D[0, 1], pol._ex_Q[0, 1] = 100.0, 100.0**2  # z = 1: below home_z, above switch_z
+    pol._follow_leader()
+    assert pol._real.mult == 1.0 and pol.switch_log[-1]["to"] == "learned"
+    assert LearnedPolicy(100).home_z == LearnedPolicy(100).switch_z  # default: no asymmetry
+
+
 def test_expert_switches_on_a_real_stream_only_go_to_better_experts() -> None:
     """Shared-document trace (frequency matters, so a frequency-heavy expert should win at some point)."""
     from kvtier.replay.synthetic import shared_document_trace
