@@ -32,6 +32,7 @@ class KeyedPlanner:
         # after the last rebuild (bounds stale entries by the live ones, not by the capacity)
         self.heap_limit = 4096
         self.n_resident = 0
+        self.n_lead = 0  # leading hits of the last request served (its prefix-hit blocks)
         self._views()
 
     def _views(self) -> None:
@@ -65,6 +66,7 @@ class KeyedPlanner:
         kl = keys.tolist()
         hl = hit.tolist()
         n_hit = hl.index(False) if False in hl else len(sl)
+        self.n_lead = n_hit
         for i in range(n_hit):  # a hit leaf's key changed: push its new entry
             s = sl[i]
             if rc[s] == 0:
@@ -111,6 +113,7 @@ class KeyedPlanner:
         """An independent copy (residency, keys, heap)."""
         out = KeyedPlanner.__new__(KeyedPlanner)
         out.capacity, out.mult, out.n_resident = self.capacity, self.mult, self.n_resident
+        out.n_lead = self.n_lead
         out.resident = self.resident.copy()
         out.res_children = self.res_children.copy()
         out.key = self.key.copy()

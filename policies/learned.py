@@ -43,12 +43,6 @@ _REKEY_CHUNK = 16384  # rows per model call when re-keying every resident block 
 _LEAD_BIAS = 3.0  # log-odds added to the real cache's key of a block the followed expert holds
 
 
-def _prefix_tokens(hit: npt.NDArray[np.bool_], req: Request) -> float:
-    """Prefix-hit tokens of one request from its hit mask (non-empty)."""
-    k = int(hit.argmin())  # the first miss, or 0 if every block hit
-    return float(prefix_tokens(req, hit.shape[0] if hit[k] else k))
-
-
 class LearnedPolicy(Policy):
     """Learned reuse predictor driving prefix-closed admission and leaf-first eviction."""
 
@@ -306,7 +300,7 @@ class LearnedPolicy(Policy):
             lost: list[int] = []
             b = base if pl.mult == self._real.mult else z + now / 1000.0 / (self.tau_s * pl.mult)
             h = pl.serve(slots, b, self._v_par, lost if i == self._lead else None)
-            toks[i] = _prefix_tokens(h, req)
+            toks[i] = prefix_tokens(req, pl.n_lead)
             if i == self._lead:
                 dropped = lost
                 if aliased:
@@ -316,7 +310,7 @@ class LearnedPolicy(Policy):
         # a slot already, no reverse lookup; ARC runs natively on slots (SlotARC)
         for i, ex in enumerate(self._classic):
             h, es = ex.serve(req, slots)
-            toks[nk + i] = _prefix_tokens(h, req)
+            toks[nk + i] = prefix_tokens(req, ex.n_lead)
             mem = self._member[i]
             mem[slots] = True
             if len(es):

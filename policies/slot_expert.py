@@ -26,6 +26,11 @@ class SlotExpert(Protocol):
         """Serve ``req`` (its blocks' slots ``slots``): hit mask, slots evicted while serving it."""
         ...
 
+    @property
+    def n_lead(self) -> int:
+        """Leading hits (prefix-hit blocks) of the last request served."""
+        ...
+
     def grow(self, new: int) -> None:
         """Room for slots ``0..new-1``."""
         ...
@@ -37,9 +42,11 @@ class IdExpert:
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
+        self.n_lead = 0
 
     def serve(self, req: Request, slots: npt.NDArray[np.int64]) -> tuple[HitMask, Evicted]:
         h = self.policy.access(replace(req, hash_ids=slots))
+        self.n_lead = int(h.argmin()) if h.shape[0] and not h.all() else h.shape[0]
         gone = self.policy.drain_evicted()
         return h, np.asarray(gone, dtype=np.int64) if gone else []
 
@@ -50,9 +57,12 @@ class IdExpert:
 class ArcExpert(SlotARC):
     """ARC natively over slots (same decisions as the registry's ``arc`` on the block ids)."""
 
+    n_lead = 0
+
     def serve(self, req: Request, slots: npt.NDArray[np.int64]) -> tuple[HitMask, Evicted]:
         ev: list[int] = []
         h = self.access(slots.tolist(), ev)
+        self.n_lead = h.index(False) if False in h else len(h)
         return np.array(h, dtype=np.bool_), ev
 
 
