@@ -719,6 +719,9 @@ class _UpMoves:
                         adm &= v.admittable
                         keep |= adm
                     rows, src = self.exact(np.flatnonzero(keep), rank)
+                    # then each by its own source's bound (a copy in a faster tier saves less)
+                    reach = v.p_reuse[rows] * bounds().source_gain_bounds(rank)[src] >= near
+                    rows, src = rows[reach], src[reach]
                     # >= k qualify: with k = free that settles min(free, n); else count them all
                     return rows, src, max(rows.size, k) if k >= free else self.count(rank)
         if self._elig is None:
@@ -803,14 +806,14 @@ class _ValueBounds:
         pr = self._p(rows)
         if pr is None or rows.size <= 4 * k:
             return rows
-        bound = pr * self._gain_bounds(rank)[src_rank]
+        bound = pr * self.source_gain_bounds(rank)[src_rank]
         probe = np.argpartition(-bound, 4 * k)[: 4 * k]  # the rows with the highest bounds
         theta = float(-np.partition(-gain(rows[probe]), k - 1)[k - 1])  # k-th highest gain among them
         if not theta > 0.0:
             return rows
         return rows[bound >= theta]
 
-    def _gain_bounds(self, rank: int) -> npt.NDArray[np.float64]:
+    def source_gain_bounds(self, rank: int) -> npt.NDArray[np.float64]:
         """Per source rank ``s``, ``b[s]`` with fill gain into ``rank`` <= ``p * b[s]`` (``p >= 0``): from
         nowhere (``s = len(TIER_ORDER)``) the whole value at ``rank``, from a slower copy the load time
         saved; plus slack for the rounding of a difference of two values."""
@@ -824,7 +827,7 @@ class _ValueBounds:
     def gain_bounds(self, rank: int) -> tuple[float, float]:
         """``(b_copy, b_admit)``: gain <= ``p * b_copy`` for a fill into ``rank`` from any slower copy,
         ``p * b_admit`` for an admission (no copy); 0 where no such source exists."""
-        b = self._gain_bounds(rank)
+        b = self.source_gain_bounds(rank)
         return float(b[rank + 1 : len(TIER_ORDER)].max(initial=0.0)), float(b[len(TIER_ORDER)])
 
 
