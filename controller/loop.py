@@ -170,7 +170,7 @@ class ReconcileLoop:
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._desired: npt.NDArray[np.bool_] | None = None
         self._policy_rows: npt.NDArray[np.int64] = np.zeros(0, np.int64)
-        self._policy_q: npt.NDArray[np.float64] | None = None  # the policy's P(reuse) for _policy_rows
+        self._policy_q: npt.NDArray[np.floating[Any]] | None = None  # the policy's P(reuse) for _policy_rows
         self._policy_exc: BaseException | None = None
         self._policy_seen: npt.NDArray[np.bool_] = np.zeros(0, np.bool_)  # row -> fed to the policy
         self._policy_seen_of: object = None  # the policy object _policy_seen belongs to
@@ -345,7 +345,8 @@ class ReconcileLoop:
                     pins=self.pins.block_map(now),
                     pinned_at_layer=self.pinned_at_layer,
                     pin_admittable=pin_tokens.keys(),
-                    desired=None if self._desired is None or self.placement is None
+                    desired=None
+                    if self._desired is None or self.placement is None
                     else {self.placement.tier: self._desired},
                 )
             except Exception as exc:  # noqa: BLE001
@@ -528,7 +529,7 @@ class ReconcileLoop:
                     self._p_buf = np.zeros(p.shape[0], np.float32)
                 np.copyto(self._p_buf, p)
                 p = self._p_buf
-            p[rows[ok]] = q[ok].astype(np.float32)
+            p[rows[ok]] = q[ok]  # (float32 already from learned; else cast on assignment)
             rep.predictor = f"policy:{pl.name}+{rep.predictor}"
         self._policy_quality_metric(pl)
         return p
@@ -816,8 +817,10 @@ class ReconcileLoop:
                     if d.outcome == "applied":
                         self.metrics.moves_applied.labels(action=action).inc()
                         self._learn_residency(act, m)
-                    elif d.outcome == "skipped" and action in ("demote", "evict") and "not present" in (
-                        d.detail or ""
+                    elif (
+                        d.outcome == "skipped"
+                        and action in ("demote", "evict")
+                        and "not present" in (d.detail or "")
                     ):
                         # the layer had no copy there any more (another ref of the chain freed the shared
                         # chunk, or the layer evicted it): the desired state holds, do not plan it again

@@ -223,8 +223,9 @@ class PolicyPlacement:
 
     def reuse_probability(
         self, blocks: npt.NDArray[np.int64], now_ms: float, rows: npt.NDArray[np.int64] | None = None
-    ) -> npt.NDArray[np.float64] | None:
-        """The policy's P(reuse) per block (NaN = cannot score), or None if the policy has no predictor.
+    ) -> npt.NDArray[np.floating[Any]] | None:
+        """The policy's P(reuse) per block (NaN = cannot score; float32 or float64, as the policy gives it),
+        or None if the policy has no predictor.
         ``rows``: the blocks' index rows; with a policy that has stable slots (``slots_of`` +
         ``reuse_probability_slots``, e.g. ``learned``) the row -> slot mapping is cached (valid while the
         index epoch given to :meth:`desired_mask` holds), so no per-block hash lookup is repeated."""
@@ -240,7 +241,7 @@ class PolicyPlacement:
             if miss.size:
                 s[miss] = slots_of(blocks[miss])
                 self._row_slot[rows[miss]] = s[miss]  # -1 again where the policy never saw the block
-            return np.asarray(by_slot(s, now_ms), np.float64)
+            return np.asarray(by_slot(s, now_ms))
         fn = getattr(pol, "reuse_probability", None)
         if fn is None:
             return None

@@ -44,6 +44,7 @@ class _RowCache:
         self.index: object | None = None
         self.fill = np.float32(np.nan)
         self.n = 0
+        self.touch_version: int | None = None  # the index's touch_version when the rows were read
         self.freq = np.zeros(0, np.uint8)  # min(freq, 255): the term saturates at 64, a reset shows
         self.gap = np.zeros(0, np.int32)  # float32 bits (NaN compares equal to itself)
         self.ft = np.zeros(0, np.float32)
@@ -64,8 +65,10 @@ class HeuristicPredictor:
     """``P = (1 - exp(-freq / 2)) * exp(-age / tau)``; ``tau`` = 4 x the reuse-gap EWMA (or ``tau_ms``).
 
     Incremental: the frequency term and ``tau`` are kept per row and recomputed only for rows whose
-    ``freq`` or gap EWMA changed since the last call (and for new rows); the same values, bit for bit, as
-    the full formula (``_predict``)."""
+    ``freq`` or gap EWMA changed since the last call (and for new rows): the rows the index logged as
+    touched or dropped (:meth:`BlockIndex.touched_since`), or, when its log does not reach back, those
+    whose values differ from what was read. The same values, bit for bit, as the full formula
+    (``_predict``)."""
 
     name = "heuristic"
     returns_new_array = True  # predict() returns a fresh array each call (the caller may overwrite it)
@@ -94,9 +97,19 @@ class HeuristicPredictor:
         c.reserve(n)
         same = c.index is index and c.fill.tobytes() == fill.tobytes()
         m = min(c.n, n) if same else 0
-        c.index, c.fill, c.n = index, fill, n
+        version = getattr(index, "touch_version", None)
+        touched = None  # rows < m whose freq / gap may have changed (the index's log), else compare all
+        if m and version is not None and c.touch_version is not None:
+            log = index.touched_since(c.touch_version)
+            if log is not None:
+                touched = np.unique(np.asarray(log, np.intp))
+                touched = touched[touched < m]
+        c.index, c.fill, c.n, c.touch_version = index, fill, n, version
         out = np.empty(n, np.float32)  # the answer; its bytes serve as the change masks first
-        if m:
+        if touched is not None:
+            if touched.size:
+                self._refresh(c, touched, freq[touched], gap[touched], fill)
+        elif m:
             raw = out.view(np.uint8)  # 4n bytes: [0, m) freq clipped, [m, 2m) and [2m, 3m) the masks
             f8 = np.minimum(freq[:m], 255, out=raw[:m], casting="unsafe")
             d = np.not_equal(f8, c.freq[:m], out=raw[m : 2 * m].view(np.bool_))

@@ -29,8 +29,37 @@ _U64 = 1 << 64
 _I64_MAX = (1 << 63) - 1
 _N_TIERS = len(TIER_ORDER)
 _EWMA_ALPHA = 0.3
-_NBYTES_LOG = 65_536  # size changes remembered for incremental readers
+_CHANGE_LOG = 65_536  # changed slots remembered for incremental readers (sizes; touches)
 _NBYTES_MAX = 2**31 - 1  # per-block KV bytes are int32 (a 256-token chunk of a 405B model is ~130 MB)
+
+
+class SlotLog:
+    """The last changed slots (bounded), for readers that refresh only what changed: ``version`` counts
+    every change; :meth:`since` gives the slots changed after ``version`` was ``v`` (repeats possible),
+    or None once the log no longer reaches back that far (then refresh every row)."""
+
+    def __init__(self, size: int = _CHANGE_LOG) -> None:
+        self.version = 0
+        self._size = size
+        self._log: deque[int] = deque(maxlen=size)
+
+    def add(self, s: int) -> None:
+        self.version += 1
+        self._log.append(s)
+
+    def extend(self, slots: npt.NDArray[np.intp]) -> None:
+        if slots.size > self._size:
+            self.version += self._size + 1  # more than the log holds: readers refresh everything
+            self._log.clear()
+            return
+        self.version += int(slots.size)
+        self._log.extend(slots.tolist())
+
+    def since(self, version: int) -> list[int] | None:
+        k = self.version - version
+        if k < 0 or k > len(self._log):
+            return None
+        return list(islice(reversed(self._log), k))
 
 
 class IndexFullError(MemoryError):
@@ -101,8 +130,9 @@ class BlockIndex:
         self.reclaimed = 0  # slots reclaimed under max_blocks pressure
         # block sizes change rarely (stores with a size, slot drops): the last changed rows, so a reader
         # of ``nbytes`` can refresh only those (:meth:`nbytes_changed_since`); write sizes through here
-        self.nbytes_version = 0
-        self._nbytes_log: deque[int] = deque(maxlen=_NBYTES_LOG)
+        self._nbytes_log = SlotLog()
+        # rows whose access stats (freq, gap EWMA) changed: touches and slot drops (:meth:`touched_since`)
+        self._touch_log = SlotLog()
         cap = max(16, initial_capacity if max_blocks is None else min(initial_capacity, max_blocks))
         self._alloc(cap)
 
@@ -156,25 +186,30 @@ class BlockIndex:
     def set_nbytes(self, s: int, nbytes: int) -> None:
         """Set slot ``s``'s size (bytes; 0 = unknown) and log the change."""
         self.nbytes[s] = nbytes
-        self.nbytes_version += 1
-        self._nbytes_log.append(s)
+        self._nbytes_log.add(s)
 
     def note_nbytes_changed(self, slots: npt.NDArray[np.intp]) -> None:
         """Log a bulk write of ``nbytes[slots]`` (made by the caller)."""
-        if slots.size > _NBYTES_LOG:
-            self.nbytes_version += _NBYTES_LOG + 1  # more than the log holds: readers refresh everything
-            self._nbytes_log.clear()
-            return
-        self.nbytes_version += int(slots.size)
-        self._nbytes_log.extend(slots.tolist())
+        self._nbytes_log.extend(slots)
+
+    @property
+    def nbytes_version(self) -> int:
+        return self._nbytes_log.version
 
     def nbytes_changed_since(self, version: int) -> list[int] | None:
         """Slots whose size changed after ``nbytes_version`` was ``version`` (repeats possible), or None
         when the log no longer reaches back that far (refresh every row)."""
-        k = self.nbytes_version - version
-        if k < 0 or k > len(self._nbytes_log):
-            return None
-        return list(islice(reversed(self._nbytes_log), k))
+        return self._nbytes_log.since(version)
+
+    @property
+    def touch_version(self) -> int:
+        return self._touch_log.version
+
+    def touched_since(self, version: int) -> list[int] | None:
+        """Slots whose ``freq`` or ``gap_ewma`` may have changed (touched, or dropped) after
+        ``touch_version`` was ``version`` (repeats possible), or None when the log no longer reaches back
+        that far (compare every row)."""
+        return self._touch_log.since(version)
 
     def nbytes_per_block(self) -> float:
         """Approximate memory per tracked block (arrays per allocated slot + the hash map), bytes."""
@@ -244,6 +279,7 @@ class BlockIndex:
         self.freq[s] = 0
         self.last_gap[s] = np.nan
         self.gap_ewma[s] = np.nan
+        self._touch_log.add(s)
         if self.nbytes[s]:
             self.set_nbytes(s, 0)
         self.n_children[s] = 0
@@ -305,6 +341,7 @@ class BlockIndex:
             self.gap_ewma[s] = gap if np.isnan(e) else (1 - _EWMA_ALPHA) * e + _EWMA_ALPHA * gap
         self.freq[s] += 1
         self.last_access[s] = t
+        self._touch_log.add(s)
 
     def store(
         self, h: int, parent_hash: int | None, tier: Tier | str | int, nbytes: int = 0, t: float = 0.0
@@ -324,6 +361,7 @@ class BlockIndex:
             self.first_seen[s] = t
             self.last_access[s] = t
             self.freq[s] = 1  # the store is its first access
+            self._touch_log.add(s)
             if pkey is not None:
                 self._link(s, pkey)
         elif pkey is not None and self.parent[s] < 0:

@@ -333,12 +333,16 @@ class Planner:
         # 1. pins
         pin_moves = self._plan_pins(view, now_s, pins, pinned_at_layer, pin_admittable, tier_mask, plan)
         candidates.extend((0, -m.value_s, m) for m in pin_moves)
-        # per-rank load bandwidth (index = tier rank; unmanaged tiers get the slowest managed bandwidth)
-        bw = np.full(len(TIER_ORDER) + 1, min((sp.load_bandwidth_bytes_s for sp in specs), default=1e10))
-        for sp in specs:
-            bw[sp.tier.rank] = sp.load_bandwidth_bytes_s
+        bw = self._bw_by_rank()
         ops_cap = self._ops_cap()
         tok_const = _broadcast_value(view.tokens)
+        made: list[_ValueBounds] = []
+
+        def bounds() -> _ValueBounds:
+            """The view's value bounds (two passes over the sizes: built once per plan, when needed)."""
+            if not made:
+                made.append(_ValueBounds(view, bw, cfg.prefill_s_per_token))
+            return made[0]
 
         def val(rows: npt.NDArray[np.intp], rank: int | npt.NDArray[np.int8]) -> npt.NDArray[np.float64]:
             """v at tier ``rank`` for ``rows`` (rank 4 = not resident: 0)."""
@@ -368,7 +372,9 @@ class Planner:
             if desired is not None and spec.tier in desired:
                 room[spec.tier] = 0  # the policy fills it: no value-based fill below
                 candidates.extend(
-                    self._plan_desired(view, i, desired[spec.tier], tier_mask, pins, pinned_rows, val, plan)
+                    self._plan_desired(
+                        view, i, desired[spec.tier], tier_mask, pins, pinned_rows, val, bounds, plan
+                    )
                 )
                 continue
             cap = spec.capacity_blocks
@@ -415,45 +421,25 @@ class Planner:
                 plan.deferred["demote" if nxt is not None else "evict"] += beyond
 
         # 3. promotions / prefetches / admissions into free room, highest gain first.
-        elig: npt.NDArray[np.intp] | None = None  # rows that may move up at all (computed once, lazily)
-        elig_rank = np.zeros(0, np.int8)
+        up: _UpMoves | None = None  # which rows may move up (built lazily, once)
         for spec in specs:
             free = room.get(spec.tier, 0)
             if free <= 0:
                 continue
-            if elig is None:
-                # cheap pre-check (uint8 passes): any row without a copy this fast that could move up?
-                faster = np.uint8((1 << (spec.tier.rank + 1)) - 1)
-                movable = (tier_mask & faster) == 0
-                movable &= (tier_mask != 0) | view.admittable
-                if not movable.any():
-                    continue  # no candidate for this tier (the full eligibility pass would find none)
-                ok = view.p_reuse >= cfg.reuse_threshold
-                ok &= (tier_mask != 0) | view.admittable
-                ok &= (tier_mask & tier_bit(specs[0].tier)) == 0
-                elig = np.flatnonzero(ok)
-                elig = elig[~recent[elig] & ~pinned_rows[elig]]
-                elig_rank = _FIRST_RANK[tier_mask[elig]]  # fastest resident tier of each; 4 = none
-            sel = (elig_rank > spec.tier.rank) & ~promoted[elig]
-            cand, cand_rank = elig[sel], elig_rank[sel]
+            # cheap pre-check (uint8 passes): any row without a copy this fast that could move up?
+            faster = np.uint8((1 << (spec.tier.rank + 1)) - 1)
+            movable = (tier_mask & faster) == 0
+            movable &= (tier_mask != 0) | view.admittable
+            if not movable.any():
+                continue  # no candidate for this tier (the eligibility passes would find none)
+            if up is None:
+                up = _UpMoves(
+                    view, tier_mask, recent, pinned_rows, promoted, cfg.reuse_threshold, specs[0].tier
+                )
+            k = min(free, cfg.max_candidates_per_tier, ops_cap)
+            cand, cand_rank, n_qual = up.candidates(spec.tier.rank, k, free, val, bounds, cfg.min_gain_s)
             if cand.size == 0:
                 continue
-            k = min(free, cfg.max_candidates_per_tier, ops_cap)
-            n_qual = cand.size
-            if cand.size > 8 * k:
-                # pre-select the likeliest 4k per source tier: within one source tier the gain grows with
-                # P(reuse) for equal block sizes, so the exact top-k by gain is among them
-                keep = []
-                for r in range(spec.tier.rank + 1, len(TIER_ORDER) + 1):
-                    grp = np.flatnonzero(cand_rank == r)
-                    if grp.size == 0:
-                        continue
-                    if grp.size > 4 * k:
-                        pg = view.p_reuse[cand[grp]]
-                        grp = grp[np.argpartition(-pg, 4 * k - 1)[: 4 * k]]
-                    keep.append(grp)
-                pick = np.sort(np.concatenate(keep))
-                cand, cand_rank = cand[pick], cand_rank[pick]
             gain = val(cand, spec.tier.rank) - val(cand, cand_rank)
             good = gain > cfg.min_gain_s
             cand, gain, cand_rank = cand[good], gain[good], cand_rank[good]
@@ -508,6 +494,7 @@ class Planner:
         pins: Mapping[int, Tier],
         pinned_rows: npt.NDArray[np.bool_],
         val: Callable[[npt.NDArray[np.intp], int | npt.NDArray[np.int8]], npt.NDArray[np.float64]],
+        value_bounds: Callable[[], _ValueBounds],
         plan: Plan,
     ) -> list[tuple[int, float, Move]]:
         """Moves that make tier ``specs[i]`` equal to ``want`` (see :meth:`plan`), as planner candidates."""
@@ -528,7 +515,7 @@ class Planner:
         fill = np.flatnonzero(want & ~here & ~pinned_rows)
         bounds = None
         if max(shed.size, fill.size) > 8 * k_max:
-            bounds = _ValueBounds(view, self._bw_by_rank(), self.config.prefill_s_per_token)
+            bounds = value_bounds()
         if shed.size:
             rank = spec.tier.rank
             if shed.size > k_max:
@@ -645,6 +632,121 @@ class Planner:
         return out
 
 
+class _UpMoves:
+    """Which rows may move up into a tier this tick (promote / prefetch / admit), and a bounded candidate
+    set per tier that holds its ``k`` highest gains. A row qualifies with ``P >= reuse_threshold``, a copy
+    somewhere or its tokens known (admittable), no copy in the fastest managed tier, not in flight, not
+    pinned, not already moved up this tick, and no copy in the target tier or faster."""
+
+    def __init__(
+        self,
+        view: BlockView,
+        tier_mask: npt.NDArray[np.uint8],
+        recent: npt.NDArray[np.bool_],
+        pinned_rows: npt.NDArray[np.bool_],
+        promoted: npt.NDArray[np.bool_],
+        threshold: float,
+        top: Tier,
+    ) -> None:
+        self.view, self.tier_mask, self.recent, self.pinned, self.promoted = (
+            view, tier_mask, recent, pinned_rows, promoted,
+        )  # fmt: skip
+        self.threshold = threshold
+        self.top_bit = np.uint8(tier_bit(top))
+        self._elig: npt.NDArray[np.intp] | None = None  # the full pass (fallback), computed once
+        self._elig_rank = np.zeros(0, np.int8)
+
+    def exact(
+        self, rows: npt.NDArray[np.intp], rank: int
+    ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.int8]]:
+        """The qualifying subset of ``rows`` for a tier of ``rank``, and each one's fastest copy's rank."""
+        v, tm = self.view, self.tier_mask[rows]
+        ok = v.p_reuse[rows] >= self.threshold
+        ok &= (tm != 0) | v.admittable[rows]
+        ok &= (tm & self.top_bit) == 0
+        ok &= ~self.recent[rows]
+        ok &= ~self.pinned[rows]
+        ok &= ~self.promoted[rows]
+        src = _FIRST_RANK[tm]
+        ok &= src > rank
+        return rows[ok], src[ok]
+
+    def count(self, rank: int) -> int:
+        """How many rows qualify for a tier of ``rank`` (bool passes over every row, no gathers)."""
+        v, tm = self.view, self.tier_mask
+        ok = v.p_reuse >= self.threshold
+        ok &= (tm != 0) | v.admittable
+        ok &= (tm & (self.top_bit | np.uint8((1 << (rank + 1)) - 1))) == 0
+        ok &= ~self.recent
+        ok &= ~self.pinned
+        ok &= ~self.promoted
+        return int(np.count_nonzero(ok))
+
+    def candidates(
+        self,
+        rank: int,
+        k: int,
+        free: int,
+        val: Callable[[npt.NDArray[np.intp], int | npt.NDArray[np.int8]], npt.NDArray[np.float64]],
+        bounds: Callable[[], _ValueBounds],
+        min_gain_s: float,
+    ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.int8], int]:
+        """Qualifying rows for a tier of ``rank`` (with their source ranks) that include the ``k`` highest
+        gains, and ``n`` with ``min(free, n) == min(free, qualifying rows)`` (the tried / deferred count).
+
+        A strided probe of ~64 k rows gives a threshold: the k-th highest gain among its qualifying rows.
+        A row's gain is at most ``P x b`` (:meth:`_ValueBounds.gain_bounds`; one ``b`` for rows with a
+        copy, one for admissions), so a few passes over P and the tier bits keep every row that can reach
+        it, and only those are checked exactly. Without a usable
+        probe (too few qualifying rows in it, a negative threshold) the full pass instead, with the
+        likeliest 4k per source tier (equal block sizes: the gain grows with P within one)."""
+        v = self.view
+        n = len(v)
+        if self.threshold >= 0.0 and n > 64 * k:
+            probe = np.arange(0, n, n // (64 * k), dtype=np.intp)
+            rows, src = self.exact(probe, rank)
+            b_res, b_adm = bounds().gain_bounds(rank)
+            if rows.size >= k and max(b_res, b_adm) > 0.0:
+                g = val(rows, rank) - val(rows, src)
+                theta = max(float(np.partition(g, rows.size - k)[rows.size - k]), min_gain_s)
+                if theta > 0.0:
+                    # P x b >= theta, b for a copy elsewhere or for an admission (rounding slack: keep)
+                    near = (1.0 - 1e-9) * theta
+                    keep = v.p_reuse >= near / b_res if b_res > 0.0 else np.zeros(n, np.bool_)
+                    if b_adm > b_res:  # admissions (no copy, tokens known) can reach it with a lower P
+                        adm = v.p_reuse >= near / b_adm
+                        adm &= self.tier_mask == 0
+                        adm &= v.admittable
+                        keep |= adm
+                    rows, src = self.exact(np.flatnonzero(keep), rank)
+                    # then each by its own source's bound (a copy in a faster tier saves less)
+                    reach = v.p_reuse[rows] * bounds().source_gain_bounds(rank)[src] >= near
+                    rows, src = rows[reach], src[reach]
+                    # >= k qualify: with k = free that settles min(free, n); else count them all
+                    return rows, src, max(rows.size, k) if k >= free else self.count(rank)
+        if self._elig is None:
+            ok = v.p_reuse >= self.threshold
+            ok &= (self.tier_mask != 0) | v.admittable
+            ok &= (self.tier_mask & self.top_bit) == 0
+            elig = np.flatnonzero(ok)
+            self._elig = elig = elig[~self.recent[elig] & ~self.pinned[elig]]
+            self._elig_rank = _FIRST_RANK[self.tier_mask[elig]]  # fastest resident tier of each; 4 = none
+        elig, elig_rank = self._elig, self._elig_rank
+        sel = (elig_rank > rank) & ~self.promoted[elig]
+        cand, cand_rank = elig[sel], elig_rank[sel]
+        n_qual = int(cand.size)
+        if cand.size > 8 * k:
+            groups: list[npt.NDArray[np.intp]] = []
+            for r in range(rank + 1, len(TIER_ORDER) + 1):
+                grp = np.flatnonzero(cand_rank == r)
+                if grp.size > 4 * k:
+                    grp = grp[np.argpartition(-v.p_reuse[cand[grp]], 4 * k - 1)[: 4 * k]]
+                groups.append(grp)
+            pick = np.sort(np.concatenate(groups))
+            cand, cand_rank = cand[pick], cand_rank[pick]
+        return cand, cand_rank, n_qual
+
+
 class _ValueBounds:
     """Exact pruning for top-k selections over many rows (tick latency: only a few hundred moves fit the
     budgets, but the candidates can be 100k+ rows). A row's value at rank ``t`` is
@@ -704,19 +806,29 @@ class _ValueBounds:
         pr = self._p(rows)
         if pr is None or rows.size <= 4 * k:
             return rows
-        c, bw = self.c, self.bw
-        inv_t = 1.0 / float(bw[rank])
-        # per source rank, gain <= p * b: from nowhere the whole value at ``rank``, from a slower copy the
-        # load time saved; plus slack for the rounding of a difference of two values
-        slack = 1e-12 * (self.tok_max * c + self.nb_max / float(bw.min()))
-        b = np.array([self.nb_max * max(0.0, 1.0 / float(x) - inv_t) for x in bw]) + slack
-        b[len(TIER_ORDER)] = self.tok_max * c - self.nb_min * inv_t + slack
-        bound = pr * b[src_rank]
+        bound = pr * self.source_gain_bounds(rank)[src_rank]
         probe = np.argpartition(-bound, 4 * k)[: 4 * k]  # the rows with the highest bounds
         theta = float(-np.partition(-gain(rows[probe]), k - 1)[k - 1])  # k-th highest gain among them
         if not theta > 0.0:
             return rows
         return rows[bound >= theta]
+
+    def source_gain_bounds(self, rank: int) -> npt.NDArray[np.float64]:
+        """Per source rank ``s``, ``b[s]`` with fill gain into ``rank`` <= ``p * b[s]`` (``p >= 0``): from
+        nowhere (``s = len(TIER_ORDER)``) the whole value at ``rank``, from a slower copy the load time
+        saved; plus slack for the rounding of a difference of two values."""
+        c, bw = self.c, self.bw
+        inv_t = 1.0 / float(bw[rank])
+        slack = 1e-12 * (self.tok_max * c + self.nb_max / float(bw.min()))
+        b = np.array([self.nb_max * max(0.0, 1.0 / float(x) - inv_t) for x in bw]) + slack
+        b[len(TIER_ORDER)] = self.tok_max * c - self.nb_min * inv_t + slack
+        return b
+
+    def gain_bounds(self, rank: int) -> tuple[float, float]:
+        """``(b_copy, b_admit)``: gain <= ``p * b_copy`` for a fill into ``rank`` from any slower copy,
+        ``p * b_admit`` for an admission (no copy); 0 where no such source exists."""
+        b = self.source_gain_bounds(rank)
+        return float(b[rank + 1 : len(TIER_ORDER)].max(initial=0.0)), float(b[len(TIER_ORDER)])
 
 
 def _broadcast_value(a: npt.NDArray[Any]) -> float | None:

@@ -127,15 +127,6 @@ def sigmoid(z: FloatArray) -> FloatArray:
     return 0.5 * (1.0 + np.tanh(0.5 * z))
 
 
-def sigmoid_inplace(z: FloatArray) -> FloatArray:
-    """:func:`sigmoid` computed in ``z`` itself (float64; the same operations, so the same bits)."""
-    z *= 0.5
-    np.tanh(z, out=z)
-    z += 1.0
-    z *= 0.5
-    return z
-
-
 def auc(y: BoolArray, score: FloatArray) -> float | None:
     """Area under the ROC curve (ties count half); None when one class is missing."""
     y = np.asarray(y, dtype=bool)

@@ -350,6 +350,24 @@ class LogitCache:
             self._ev[ms] = events[miss]
         return int(miss.size)
 
+    def remap(
+        self,
+        version: Hashable,
+        live_from: int,
+        fn: Callable[[npt.NDArray[np.float64], npt.NDArray[np.int64]], npt.NDArray[np.float64]],
+    ) -> int:
+        """Replace every entry computed under ``version`` whose event id is ``>= live_from`` by
+        ``fn(values, events)`` (e.g. a change of scale of a derived value) and drop the other entries;
+        nothing to keep under another version. Returns the entries kept."""
+        if version != self._version:
+            return 0
+        keep = np.flatnonzero(self._ev >= max(live_from, 0))
+        self._val[keep] = fn(self._val[keep], self._ev[keep])
+        drop = self._ev >= 0
+        drop[keep] = False
+        self._ev[drop] = -1
+        return int(keep.size)
+
     def _prepare(self, slots: npt.NDArray[np.int64], version: Hashable) -> None:
         if version != self._version:
             self._ev[:] = -1

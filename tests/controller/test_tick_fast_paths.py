@@ -42,7 +42,8 @@ def test_heuristic_matches_the_reference_formula_exactly(tau_ms: float) -> None:
 
 def test_heuristic_incremental_rows_equal_the_full_formula_after_every_kind_of_change() -> None:
     """Between calls: touches (freq + gap change), a removed and re-stored slot, new rows (n grows), a
-    tau_ms change, another index object. Every call equals the reference bit for bit."""
+    request's chain, more touches than the index logs, a tau_ms change, another index object. Every call
+    equals the reference bit for bit."""
     rng = np.random.default_rng(11)
     idx = BlockIndex(initial_capacity=1024)
     for b in range(1, 601):
@@ -69,6 +70,13 @@ def test_heuristic_incremental_rows_equal_the_full_formula_after_every_kind_of_c
     for b in range(20_000, 20_400):  # new rows past the cached n
         idx.store(b, None, 2, 0, now)
     check(idx)
+    idx.access_chain([1, 2, 3, 30_000, 30_001], now - 100.0)  # a request: touches and new blocks
+    check(idx)
+    for _ in range(70_000 // 600 + 1):  # more touches than the index's log holds: compare every row
+        for b in range(1, 601):
+            idx.touch(b, now)
+        now += 1.0
+    check(idx)
     pred.tau_ms = 12_345.0  # the NaN rows' tau changes
     check(idx)
     other = BlockIndex(initial_capacity=64)
@@ -76,6 +84,24 @@ def test_heuristic_incremental_rows_equal_the_full_formula_after_every_kind_of_c
         other.store(b, None, 1, 65536, float(b))
     check(other)
     check(idx)
+
+
+def test_heuristic_reads_only_the_rows_the_index_logged_as_touched() -> None:
+    """Between calls the predictor refreshes the rows in the index's touch log, not every row: a write
+    to ``freq`` that bypasses the index's API is not seen until the row is touched."""
+    idx = BlockIndex(initial_capacity=1024)
+    for b in range(1, 501):
+        idx.store(b, None, 1, 65536, float(b))
+    pred = HeuristicPredictor(tau_ms=300_000.0)
+    first = pred.predict(idx, 500, 1000.0).copy()
+    idx.freq[7] = 50  # not through the index: no log entry
+    idx.touch(int(idx.hash[9]), 900.0)
+    got = pred.predict(idx, 500, 1000.0)
+    assert got[7] == first[7] and got[9] != first[9]
+    idx.touch(int(idx.hash[7]), 900.0)
+    got = pred.predict(idx, 500, 1000.0)
+    want = _reference(idx, 500, 1000.0, pred.tau_ms)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 class _Kept:

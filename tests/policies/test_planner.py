@@ -209,3 +209,69 @@ def test_desired_tier_pruned_ranking_equals_ranking_every_candidate(
         (m.action, m.block, m.src, m.dst, m.value_s) for m in full.moves
     ]
     assert pruned.tried == full.tried and pruned.deferred == full.deferred and pruned.held == full.held
+
+
+@pytest.mark.parametrize(
+    ("seed", "gpu_count", "mixed"), [(0, 3_600, True), (1, 3_600, False), (2, 1_000, True), (3, 1_000, False)]
+)
+def test_promotion_candidates_from_the_probe_equal_ranking_every_qualifying_row(
+    seed: int, gpu_count: int, mixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Promotions / prefetches / admissions into free room: the planner checks exactly only the rows whose
+    P can reach the k-th best gain of a strided probe; the moves (blocks, actions, values, order) and the
+    tried / deferred counts equal those of ranking every qualifying row. Mixed source tiers, admittable
+    rows, in-flight and pinned rows; a small room (k = free: no count needed) and a large one (k < free:
+    the qualifying rows are counted); mixed block sizes and token counts (the bound is loose) or one
+    size (as a deployment's blocks: most rows are never checked)."""
+    import kvtier.policies.planner as planner_mod
+
+    rng = np.random.default_rng(seed)
+    n = 200_000
+    mask = rng.choice(np.array([0, 2, 4, 6, 8], np.uint8), n, p=[0.4, 0.2, 0.25, 0.1, 0.05])
+    mask[rng.choice(n, gpu_count, replace=False)] |= 1
+    v = BlockView(
+        np.arange(1, n + 1, dtype=np.int64),
+        mask,
+        rng.integers(1, 64, n).astype(np.int32) if mixed else np.full(n, 16, np.int32),
+        rng.integers(1 << 14, 1 << 20, n).astype(np.int64) if mixed else np.full(n, 1 << 16, np.int64),
+        (rng.random(n) ** 3).astype(np.float32),
+        rng.random(n) < 0.3,
+    )
+    c = PlannerConfig(
+        tiers=(
+            TierSpec(Tier.GPU, 4000, 0.9, 0.8, load_bandwidth_bytes_s=1e12),
+            TierSpec(Tier.CPU, n, load_bandwidth_bytes_s=2e10),
+            TierSpec(Tier.DISK, n, load_bandwidth_bytes_s=2e9),
+        ),
+        default_budget=LinkBudget(bytes_per_s=1e12, ops_per_s=300.0),
+    )
+    pins = {int(h): Tier.DISK for h in rng.choice(v.hashes, 500, replace=False)}
+    up = planner_mod._UpMoves
+    used: list[tuple[int, int]] = []
+    cands = up.candidates
+
+    def spy(self, rank, k, free, *a):  # type: ignore[no-untyped-def]
+        out = cands(self, rank, k, free, *a)
+        used.append((self.count(rank), out[0].size))
+        return out
+
+    def every_row(self, rank, k, free, *a):  # type: ignore[no-untyped-def]
+        rows, src = self.exact(np.arange(len(self.view), dtype=np.intp), rank)
+        return rows, src, rows.size
+
+    def plan(p: Planner) -> object:
+        p.commit([m for m in p.plan(v, 1.0).moves if m.action == "demote"][:50], 1.0)  # some in flight
+        return p.plan(v, 2.0, pins=pins)
+
+    monkeypatch.setattr(up, "candidates", spy)
+    pruned = plan(Planner(c))
+    monkeypatch.setattr(up, "candidates", every_row)
+    full = plan(Planner(c))
+
+    assert pruned.moves and used
+    assert all(size < (qual if mixed else qual / 3) for qual, size in used)  # the probe did prune
+    assert [(m.action, m.block, m.src, m.dst, m.value_s) for m in pruned.moves] == [  # type: ignore[attr-defined]
+        (m.action, m.block, m.src, m.dst, m.value_s)
+        for m in full.moves  # type: ignore[attr-defined]
+    ]
+    assert pruned.tried == full.tried and pruned.deferred == full.deferred  # type: ignore[attr-defined]

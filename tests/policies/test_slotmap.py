@@ -118,3 +118,20 @@ def test_logit_cache_warm_fills_stale_entries_ahead_of_lookups() -> None:
     assert c.get(slots, ev, 1, compute).tolist() == [30.5, 10.5, 70.5]
     assert calls == [[30, 10, 70]]  # the lookup was served from the warmed entries
     assert c.warm(slots, ev, 2, compute) == 3  # a new version: all stale again
+
+
+def test_logit_cache_remap_rescales_live_entries_and_drops_the_rest() -> None:
+    calls: list[list[int]] = []
+
+    def compute(ev: np.ndarray) -> np.ndarray:
+        calls.append(ev.tolist())
+        return ev.astype(np.float64)
+
+    c = LogitCache()
+    slots, ev = np.array([3, 1, 7]), np.array([30, 10, 70])
+    c.warm(slots, ev, "v", compute)
+    assert c.remap("other", 0, lambda k, e: k * 0.0) == 0  # another version: nothing to keep, nothing changed
+    assert c.get(slots, ev, "v", compute).tolist() == [30.0, 10.0, 70.0]
+    assert c.remap("v", 20, lambda k, e: k + e / 10.0) == 2  # events >= 20 kept (rescaled), event 10 dropped
+    assert c.get(slots, ev, "v", compute).tolist() == [33.0, 10.0, 77.0]
+    assert calls == [[30, 10, 70], [10]]  # only the dropped entry was computed again
