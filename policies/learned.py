@@ -60,7 +60,7 @@ class LearnedPolicy(Policy):
         min_class: int = 200,
         tau_mode: str = "gap",
         experts: tuple[str, ...] = DEFAULT_EXPERTS,
-        learned_mults: tuple[float, ...] = (0.1, 1.0, 8.0),
+        learned_mults: tuple[float, ...] = (0.1, 1.0, 16.0),
         switch_every: int = 100,
         switch_margin: float = 1.01,
         switch_z: float = 0.5,

@@ -214,7 +214,7 @@ def test_expert_switches_on_a_real_stream_only_go_to_better_experts() -> None:
         assert sw["z"] > pol.switch_z
     q = pol.quality()
     assert q["expert"] == pol.switch_log[-1]["to"] and q["expert_switches"] == len(pol.switch_log)
-    assert set(q["expert_scores"]) == {"learned-tau-x0.1", "learned", "learned-tau-x8", "arc"}
+    assert set(q["expert_scores"]) == {"learned-tau-x0.1", "learned", "learned-tau-x16", "arc"}
 
 
 def test_classic_expert_is_a_full_size_shadow_of_the_policy_itself(trace: list[Request]) -> None:
