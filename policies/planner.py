@@ -25,6 +25,7 @@ stops ping-pong.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -396,8 +397,12 @@ class Planner:
             cand = cand[~prot & ~rec]
             if cand.size == 0:
                 continue
-            v_here = val(cand, spec.tier.rank)
-            take = _smallest(v_here, min(need, cfg.max_candidates_per_tier, ops_cap))
+            n_cand, rank = cand.size, spec.tier.rank
+            kk = min(need, cfg.max_candidates_per_tier, ops_cap)
+            if n_cand > 8 * kk:  # only rows that can be among the kk lowest values (exact)
+                cand = bounds().lowest_candidates(cand, kk, rank, functools.partial(val, rank=rank))
+            v_here = val(cand, rank)
+            take = _smallest(v_here, kk)
             order, v_order = cand[take], v_here[take]
             slower_bits = sum(tier_bit(sp.tier) for sp in specs[i + 1 :])
             nxt = specs[i + 1].tier if i + 1 < len(specs) else None
@@ -415,7 +420,7 @@ class Planner:
                     plan.held["last_copy"] += 1
                     continue
                 candidates.append((1, -m.value_s, m))
-            beyond = min(need, cand.size) - order.size  # qualified but past the per-tick cap
+            beyond = min(need, n_cand) - order.size  # qualified but past the per-tick cap
             if beyond > 0:
                 plan.tried["demote" if nxt is not None else "evict"] += beyond
                 plan.deferred["demote" if nxt is not None else "evict"] += beyond
@@ -769,8 +774,8 @@ class _ValueBounds:
         self.nb_min = float(view.nbytes.min()) if len(view) else 0.0
         self.nb_max = float(view.nbytes.max()) if len(view) else 0.0
 
-    def _p(self, rows: npt.NDArray[np.intp]) -> npt.NDArray[np.float64] | None:
-        pr = self.p.take(rows).astype(np.float64)
+    def _p(self, rows: npt.NDArray[np.intp]) -> npt.NDArray[np.floating[Any]] | None:
+        pr = self.p.take(rows)  # (the view's float32: products with float64 arrays are exact float64)
         return pr if bool((pr >= 0.0).all()) else None  # NaN / negative: no bound, keep every row
 
     def lowest_candidates(
@@ -784,14 +789,16 @@ class _ValueBounds:
         pr = self._p(rows)
         # value >= p * a_lo (floating-point monotone: tokens >= tok_min, nbytes <= nb_max)
         a_lo = self.tok_min * self.c - self.nb_max / float(self.bw[rank])
-        if pr is None or a_lo < 0.0 or rows.size <= 4 * k:
+        if pr is None or a_lo <= 0.0 or rows.size <= 4 * k:
             return rows
         # the probe: the least likely rows of a strided sample (any k+ rows give a valid threshold; the
         # sample's keep it tight at a fraction of the cost, and of the worst cases, of a full argpartition)
         sample = np.arange(0, rows.size, max(1, rows.size // (64 * k)))
         probe = sample[np.argpartition(pr[sample], 4 * k)[: 4 * k]] if sample.size > 4 * k else sample
         theta = float(np.partition(value(rows[probe]), k - 1)[k - 1])  # k-th lowest value among them
-        return rows[pr * a_lo <= theta]
+        # p * a_lo <= theta, as one comparison in P's own type against a cut rounded up (keeps a superset)
+        cut = np.nextafter(pr.dtype.type(theta / a_lo * (1.0 + 1e-9)), pr.dtype.type(np.inf))
+        return rows[pr <= cut]
 
     def highest_gain_candidates(
         self,
