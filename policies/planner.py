@@ -210,14 +210,13 @@ class _Bucket:
 
 
 class Planner:
-    """Stateful only in its token buckets and the last-move times (both fed by the caller's clock)."""
+    """Stateful only in its token buckets and the committed moves (both fed by the caller's clock)."""
 
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
         self._buckets: dict[str, _Bucket] = {}
-        # block -> (now_s, move, bits it clears, bits it sets), ordered by commit time
-        self._last_move: dict[int, tuple[float, Move, int, int]] = {}
-        self._inflight = InFlightMoves()  # the same moves as arrays (the tick's in-flight pass)
+        # each block's latest committed move (time, bits it clears / sets) as arrays: the in-flight pass
+        self._inflight = InFlightMoves()
 
     def reconfigure(self, config: PlannerConfig) -> None:
         """Swap the config at a tick boundary (buckets are kept, clipped to the new depth)."""
@@ -246,24 +245,14 @@ class Planner:
 
         Until observed state catches up (at most ``hysteresis_s``; pins ``pin_retry_s``) the planner assumes
         their effect, so re-planning the same state is a no-op and a block is not moved again."""
-        lm = self._last_move
+        blocks, clear, put = [], [], []
         for m in moves:
-            lm.pop(m.block, None)  # re-insert at the end: the dict stays ordered by commit time
-            clear = _BITS[m.src] if m.action in ("demote", "evict") and m.src is not None else 0
-            put = _BITS[m.dst] if m.dst is not None and m.action != "evict" else 0
-            lm[m.block] = (now_s, m, clear, put)
-            self._inflight.record(m.block, now_s, clear, put)
+            blocks.append(m.block)
+            clear.append(_BITS[m.src] if m.action in ("demote", "evict") and m.src is not None else 0)
+            put.append(_BITS[m.dst] if m.dst is not None and m.action != "evict" else 0)
+        self._inflight.record_many(blocks, now_s, clear, put)
         horizon = now_s - max(self.config.hysteresis_s, self.config.pin_retry_s)
-        while lm:
-            k = next(iter(lm))
-            if lm[k][0] >= horizon:
-                break
-            del lm[k]
         self._inflight.expire(horizon)
-
-    def last_move_s(self, block: int) -> float | None:
-        v = self._last_move.get(block)
-        return v[0] if v else None
 
     def _in_flight(
         self, view: BlockView, now_s: float
@@ -609,8 +598,8 @@ class Planner:
         acked = set(pinned_at_layer)
         admittable = set(pin_admittable)
         for h, tier in pins.items():
-            last = self._last_move.get(h)
-            if last is not None and now_s - last[0] < self.config.pin_retry_s:
+            last = self._inflight.at_of(h)
+            if last is not None and now_s - last < self.config.pin_retry_s:
                 plan.held["pin_in_flight"] += 1
                 continue
             r = row_of.get(h)
