@@ -724,15 +724,22 @@ class _UpMoves:
         if self.threshold >= 0.0 and n > 64 * k:
             probe = np.arange(0, n, n // (64 * k), dtype=np.intp)
             rows, src = self.exact(probe, rank)
-            if rows.size >= k:
+            b_res, b_adm = bounds().gain_bounds(rank)
+            if rows.size >= k and max(b_res, b_adm) > 0.0:
                 g = val(rows, rank) - val(rows, src)
                 theta = max(float(np.partition(g, rows.size - k)[rows.size - k]), min_gain_s)
                 if theta > 0.0:
-                    vb = bounds()
-                    # admissions: no copy, tokens known
-                    keep = vb.gain_cut(theta, rank, lambda: (self.tier_mask == 0) & v.admittable)
+                    # P x b >= theta, b for a copy elsewhere or for an admission (rounding slack: keep)
+                    near = (1.0 - 1e-9) * theta
+                    keep = v.p_reuse >= near / b_res if b_res > 0.0 else np.zeros(n, np.bool_)
+                    if b_adm > b_res:  # admissions (no copy, tokens known) can reach it with a lower P
+                        adm = v.p_reuse >= near / b_adm
+                        adm &= self.tier_mask == 0
+                        adm &= v.admittable
+                        keep |= adm
                     rows, src = self.exact(np.flatnonzero(keep), rank)
-                    reach = vb.reaches(rows, src, theta, rank)
+                    # then each by its own source's bound (a copy in a faster tier saves less)
+                    reach = v.p_reuse[rows] * bounds().source_gain_bounds(rank)[src] >= near
                     rows, src = rows[reach], src[reach]
                     # >= k qualify: with k = free that settles min(free, n); else count them all
                     return rows, src, max(rows.size, k) if k >= free else self.count(rank)
@@ -860,34 +867,18 @@ class _ValueBounds:
         theta = float(np.partition(g, g.size - k)[g.size - k])  # k-th highest gain among them
         if not theta > 0.0:
             return None
-        keep = self.gain_cut(theta, rank, lambda: (tier_mask & slower_bits) == 0)  # admissions: no copy
+        b = self.source_gain_bounds(rank)
+        b_copy, b_adm = float(b[rank + 1 : len(TIER_ORDER)].max(initial=0.0)), float(b[len(TIER_ORDER)])
+        near, p = (1.0 - 1e-9) * theta, self.p
+        keep = p >= near / b_copy if b_copy > 0.0 else np.zeros(mask.shape[0], np.bool_)
+        if b_adm > b_copy:  # admissions (no slower copy) can reach it with a lower P
+            adm = p >= near / b_adm
+            adm &= (tier_mask & slower_bits) == 0
+            keep |= adm
         keep &= mask
         rows = np.flatnonzero(keep)
-        return rows[self.reaches(rows, _FIRST_RANK[tier_mask[rows] & slower_bits], theta, rank)]
-
-    def gain_cut(
-        self, theta: float, rank: int, no_copy: Callable[[], npt.NDArray[np.bool_]]
-    ) -> npt.NDArray[np.bool_]:
-        """Per row: can its fill gain into ``rank`` reach ``theta`` (> 0) by its P alone? ``P x b >= theta``
-        with ``b`` for a copy elsewhere, or, for the rows in ``no_copy()`` (admissions), the admission
-        ``b`` (rounding slack: a superset). Two or five passes over the rows, no gathers."""
-        b_copy, b_adm = self.gain_bounds(rank)
-        near, p = (1.0 - 1e-9) * theta, self.p
-        if max(b_copy, b_adm) <= 0.0:
-            return np.ones(p.shape[0], np.bool_)
-        keep = p >= near / b_copy if b_copy > 0.0 else np.zeros(p.shape[0], np.bool_)
-        if b_adm > b_copy:  # admissions can reach it with a lower P
-            adm = p >= near / b_adm
-            adm &= no_copy()
-            keep |= adm
-        return keep
-
-    def reaches(
-        self, rows: npt.NDArray[np.intp], src: npt.NDArray[np.int8], theta: float, rank: int
-    ) -> npt.NDArray[np.bool_]:
-        """Of ``rows`` (fastest source ranks ``src``), which can reach a fill gain ``theta`` into ``rank``
-        by their own source's bound (a copy in a faster tier saves less)."""
-        return self.p[rows] * self.source_gain_bounds(rank)[src] >= (1.0 - 1e-9) * theta
+        src = _FIRST_RANK[tier_mask[rows] & slower_bits]
+        return rows[p[rows] * b[src] >= near]
 
     def p_nonnegative(self) -> bool:
         """Is every P in the view >= 0 (no NaN)? One pass, computed once."""
