@@ -517,10 +517,9 @@ class Planner:
             plan.held["pinned"] += len(kept)
             shed_mask[kept] = False
         n_shed = int(np.count_nonzero(shed_mask))
-        fill_mask = want & ~here & ~pinned_rows
-        n_fill = int(np.count_nonzero(fill_mask))
+        fill = np.flatnonzero(want & ~here & ~pinned_rows)
         bounds = None
-        if max(n_shed, n_fill) > 8 * k_max:
+        if max(n_shed, fill.size) > 8 * k_max:
             bounds = value_bounds()
         if n_shed:
             rank = spec.tier.rank
@@ -554,26 +553,20 @@ class Planner:
                     continue
                 out.append((1, -m.value_s, m))
         # add what it holds: promote from a slower copy, else admit (stored from the engine / recomputed)
-        if n_fill:
+        want_fill = fill.size
+        if fill.size:
             slower_bits = np.uint8(~((bit << 1) - 1) & 0xFF)
 
             def gain_of(rows: npt.NDArray[np.intp]) -> npt.NDArray[np.float64]:
                 return val(rows, spec.tier.rank) - val(rows, _FIRST_RANK[tier_mask[rows] & slower_bits])
 
-            fill = None  # only rows that can be among the k_max best: on the mask if it can, else listed
-            if n_fill > k_max and bounds is not None:
-                fill = bounds.highest_gain_in_mask(
-                    fill_mask, n_fill, k_max, spec.tier.rank, tier_mask, slower_bits, gain_of
-                )
-            if fill is None:
-                fill = np.flatnonzero(fill_mask)
-                if n_fill > k_max and bounds is not None:
-                    src_rank = _FIRST_RANK[tier_mask[fill] & slower_bits]
-                    fill = bounds.highest_gain_candidates(fill, src_rank, k_max, spec.tier.rank, gain_of)
             src_rank = _FIRST_RANK[tier_mask[fill] & slower_bits]
+            if fill.size > k_max and bounds is not None:  # only rows that can be among the k_max best
+                fill = bounds.highest_gain_candidates(fill, src_rank, k_max, spec.tier.rank, gain_of)
+                src_rank = _FIRST_RANK[tier_mask[fill] & slower_bits]
             gain = val(fill, spec.tier.rank) - val(fill, src_rank)
-            if n_fill > k_max:
-                self._beyond(plan, "admit", n_fill - k_max)
+            if want_fill > k_max:
+                self._beyond(plan, "admit", want_fill - k_max)
                 take = _largest(gain, k_max)
                 fill, gain, src_rank = fill[take], gain[take], src_rank[take]
             for j, r in enumerate(fill.tolist()):
@@ -841,44 +834,6 @@ class _ValueBounds:
         keep = p <= cut
         keep &= mask
         return np.flatnonzero(keep)
-
-    def highest_gain_in_mask(
-        self,
-        mask: npt.NDArray[np.bool_],
-        count: int,
-        k: int,
-        rank: int,
-        tier_mask: npt.NDArray[np.uint8],
-        slower_bits: np.uint8,
-        gain: Callable[[npt.NDArray[np.intp]], npt.NDArray[np.float64]],
-    ) -> npt.NDArray[np.intp] | None:
-        """Rows set in ``mask`` (``count`` of them, ascending) that can be among the ``k`` highest fill
-        gains into ``rank``, each row's source its fastest copy in ``slower_bits`` (none: an admission),
-        without listing every row: the k-th best gain of a strided probe of the mask's rows, a cut of P per
-        kind of source (a copy / none), then each kept row against its own source's bound. None when no
-        bound applies or the probe is too small (then :meth:`highest_gain_candidates` on the rows)."""
-        if count <= 4 * k or not self.p_nonnegative():
-            return None
-        sample = np.arange(0, mask.shape[0], max(1, count // (64 * k)))
-        sample = sample[mask[sample]]
-        if sample.size <= 4 * k:
-            return None
-        g = gain(sample)
-        theta = float(np.partition(g, g.size - k)[g.size - k])  # k-th highest gain among them
-        if not theta > 0.0:
-            return None
-        b = self.source_gain_bounds(rank)
-        b_copy, b_adm = float(b[rank + 1 : len(TIER_ORDER)].max(initial=0.0)), float(b[len(TIER_ORDER)])
-        near, p = (1.0 - 1e-9) * theta, self.p
-        keep = p >= near / b_copy if b_copy > 0.0 else np.zeros(mask.shape[0], np.bool_)
-        if b_adm > b_copy:  # admissions (no slower copy) can reach it with a lower P
-            adm = p >= near / b_adm
-            adm &= (tier_mask & slower_bits) == 0
-            keep |= adm
-        keep &= mask
-        rows = np.flatnonzero(keep)
-        src = _FIRST_RANK[tier_mask[rows] & slower_bits]
-        return rows[p[rows] * b[src] >= near]
 
     def p_nonnegative(self) -> bool:
         """Is every P in the view >= 0 (no NaN)? One pass, computed once."""

@@ -188,8 +188,7 @@ def test_desired_tier_pruned_ranking_equals_ranking_every_candidate(
     )
     kept: list[tuple[int, int]] = []
     vb = planner_mod._ValueBounds
-    lowest, highest = vb.lowest_candidates, vb.highest_gain_candidates
-    low_mask, high_mask = vb.lowest_in_mask, vb.highest_gain_in_mask
+    lowest, highest, in_mask = vb.lowest_candidates, vb.highest_gain_candidates, vb.lowest_in_mask
 
     def spy(fn):  # type: ignore[no-untyped-def]
         def f(self, rows, *a):  # type: ignore[no-untyped-def]
@@ -201,17 +200,15 @@ def test_desired_tier_pruned_ranking_equals_ranking_every_candidate(
 
     monkeypatch.setattr(vb, "lowest_candidates", spy(lowest))
     monkeypatch.setattr(vb, "highest_gain_candidates", spy(highest))
-    monkeypatch.setattr(vb, "lowest_in_mask", spy(low_mask))
-    monkeypatch.setattr(vb, "highest_gain_in_mask", spy(high_mask))
+    monkeypatch.setattr(vb, "lowest_in_mask", spy(in_mask))
     pin_tiers = [Tier.GPU, Tier.CPU, Tier.DISK]
     pins = {int(h): pin_tiers[j % 3] for j, h in enumerate(rng.choice(v.hashes, 300, replace=False))}
     pruned = Planner(c).plan(v, 10.0, pins=pins, desired={Tier.CPU: want})
-    # shed + fill of the desired tier (on the masks), the gpu tier's watermark shedding: each pruned
+    # shed (on the mask) + fill of the desired tier, and the gpu tier's watermark shedding: each pruned
     assert len(kept) == 3 and all(after < before / 3 for before, after in kept)
     monkeypatch.setattr(vb, "lowest_candidates", lambda self, rows, *a: rows)
     monkeypatch.setattr(vb, "highest_gain_candidates", lambda self, rows, *a: rows)
     monkeypatch.setattr(vb, "lowest_in_mask", lambda self, *a: None)
-    monkeypatch.setattr(vb, "highest_gain_in_mask", lambda self, *a: None)
     full = Planner(c).plan(v, 10.0, pins=pins, desired={Tier.CPU: want})
     assert len(pruned.moves) > 400
     assert [(m.action, m.block, m.src, m.dst, m.value_s) for m in pruned.moves] == [
