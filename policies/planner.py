@@ -507,37 +507,27 @@ class Planner:
         out: list[tuple[int, float, Move]] = []
         k_max = min(self.config.max_candidates_per_tier, self._ops_cap())  # per-tick bound (tick latency)
         # drop what the policy no longer holds, lowest value first
-        shed_mask = here & ~want
-        if pins:
-            kept = [
-                r
-                for r in np.flatnonzero(shed_mask & pinned_rows).tolist()
-                if pins.get(int(view.hashes[r]), Tier.REMOTE).rank >= spec.tier.rank
-            ]
-            plan.held["pinned"] += len(kept)
-            shed_mask[kept] = False
-        n_shed = int(np.count_nonzero(shed_mask))
+        shed = np.flatnonzero(here & ~want)
+        if pins and shed.size:
+            keep = np.zeros(shed.size, np.bool_)
+            for j in np.flatnonzero(pinned_rows[shed]).tolist():
+                keep[j] = pins.get(int(view.hashes[shed[j]]), Tier.REMOTE).rank >= spec.tier.rank
+            plan.held["pinned"] += int(keep.sum())
+            shed = shed[~keep]
         fill = np.flatnonzero(want & ~here & ~pinned_rows)
         bounds = None
-        if max(n_shed, fill.size) > 8 * k_max:
+        if max(shed.size, fill.size) > 8 * k_max:
             bounds = value_bounds()
-        if n_shed:
+        if shed.size:
             rank = spec.tier.rank
-            if n_shed > k_max:
-                self._beyond(plan, "evict", n_shed - k_max)
-                # only rows that can be among the k_max lowest values (exact), found on the mask itself
-                # (no index array of all ~n_shed rows) when the probe allows, else on the rows
-                v_at = lambda r: val(r, rank)  # noqa: E731
-                shed = None if bounds is None else bounds.lowest_in_mask(shed_mask, n_shed, k_max, rank, v_at)
-                if shed is None:
-                    shed = np.flatnonzero(shed_mask)
-                    if bounds is not None:
-                        shed = bounds.lowest_candidates(shed, k_max, rank, v_at)
+            if shed.size > k_max:
+                self._beyond(plan, "evict", shed.size - k_max)
+                if bounds is not None:  # only rows that can be among the k_max lowest values (exact)
+                    shed = bounds.lowest_candidates(shed, k_max, rank, lambda r: val(r, rank))
                 v_here = val(shed, rank)
                 take = _smallest(v_here, k_max)
                 shed, v_here = shed[take], v_here[take]
             else:
-                shed = np.flatnonzero(shed_mask)
                 v_here = val(shed, rank)
             nxt = specs[i + 1].tier if i + 1 < len(specs) else None
             v_next = val(shed, nxt.rank) if nxt is not None else np.zeros(shed.size)
@@ -780,7 +770,6 @@ class _ValueBounds:
             self.tok_max = float(tok.max()) if len(view) else 0.0
         self.nb_min = float(view.nbytes.min()) if len(view) else 0.0
         self.nb_max = float(view.nbytes.max()) if len(view) else 0.0
-        self._p_nonneg: bool | None = None
 
     def _p(self, rows: npt.NDArray[np.intp]) -> npt.NDArray[np.floating[Any]] | None:
         pr = self.p.take(rows)  # (the view's float32: products with float64 arrays are exact float64)
@@ -807,39 +796,6 @@ class _ValueBounds:
         # p * a_lo <= theta, as one comparison in P's own type against a cut rounded up (keeps a superset)
         cut = np.nextafter(pr.dtype.type(theta / a_lo * (1.0 + 1e-9)), pr.dtype.type(np.inf))
         return rows[pr <= cut]
-
-    def lowest_in_mask(
-        self,
-        mask: npt.NDArray[np.bool_],
-        count: int,
-        k: int,
-        rank: int,
-        value: Callable[[npt.NDArray[np.intp]], npt.NDArray[np.float64]],
-    ) -> npt.NDArray[np.intp] | None:
-        """:meth:`lowest_candidates` of the ``count`` rows set in ``mask`` (ascending), without listing
-        them all first: the probe is a strided sample of the mask's rows, the cut one pass over P and the
-        mask. None when no bound applies (a negative or NaN P anywhere, ``a_lo <= 0``) or the sample
-        holds too few rows: then list the rows and use :meth:`lowest_candidates`."""
-        a_lo = self.tok_min * self.c - self.nb_max / float(self.bw[rank])
-        if a_lo <= 0.0 or count <= 4 * k or not self.p_nonnegative():
-            return None
-        sample = np.arange(0, mask.shape[0], max(1, count // (64 * k)))
-        sample = sample[mask[sample]]
-        if sample.size <= 4 * k:
-            return None
-        p = self.p
-        probe = sample[np.argpartition(p[sample], 4 * k)[: 4 * k]]
-        theta = float(np.partition(value(probe), k - 1)[k - 1])  # k-th lowest value among them
-        cut = np.nextafter(p.dtype.type(theta / a_lo * (1.0 + 1e-9)), p.dtype.type(np.inf))
-        keep = p <= cut
-        keep &= mask
-        return np.flatnonzero(keep)
-
-    def p_nonnegative(self) -> bool:
-        """Is every P in the view >= 0 (no NaN)? One pass, computed once."""
-        if self._p_nonneg is None:
-            self._p_nonneg = bool(len(self.p) == 0 or self.p.min() >= 0.0)
-        return self._p_nonneg
 
     def highest_gain_candidates(
         self,

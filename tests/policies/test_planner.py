@@ -162,8 +162,7 @@ def test_desired_tier_pruned_ranking_equals_ranking_every_candidate(
     """With many more fill / shed candidates than moves fit the budgets (a policy-placed tier, and a tier
     above its high watermark), the planner ranks only the rows whose value bound can reach the k-th best
     of the likeliest ones; the moves (blocks, actions, values, order) and the tried / deferred counts
-    equal those of ranking every candidate. Mixed block sizes, token counts and source tiers; pins to
-    each tier (held, never shed)."""
+    equal those of ranking every candidate. Mixed block sizes, token counts and source tiers."""
     import kvtier.policies.planner as planner_mod
 
     rng = np.random.default_rng(seed)
@@ -188,28 +187,24 @@ def test_desired_tier_pruned_ranking_equals_ranking_every_candidate(
     )
     kept: list[tuple[int, int]] = []
     vb = planner_mod._ValueBounds
-    lowest, highest, in_mask = vb.lowest_candidates, vb.highest_gain_candidates, vb.lowest_in_mask
+    lowest, highest = vb.lowest_candidates, vb.highest_gain_candidates
 
     def spy(fn):  # type: ignore[no-untyped-def]
         def f(self, rows, *a):  # type: ignore[no-untyped-def]
             out = fn(self, rows, *a)
-            kept.append((int(np.count_nonzero(rows)) if rows.dtype == np.bool_ else rows.size, out.size))
+            kept.append((rows.size, out.size))
             return out
 
         return f
 
-    monkeypatch.setattr(vb, "lowest_candidates", spy(lowest))
-    monkeypatch.setattr(vb, "highest_gain_candidates", spy(highest))
-    monkeypatch.setattr(vb, "lowest_in_mask", spy(in_mask))
-    pin_tiers = [Tier.GPU, Tier.CPU, Tier.DISK]
-    pins = {int(h): pin_tiers[j % 3] for j, h in enumerate(rng.choice(v.hashes, 300, replace=False))}
-    pruned = Planner(c).plan(v, 10.0, pins=pins, desired={Tier.CPU: want})
-    # shed (on the mask) + fill of the desired tier, and the gpu tier's watermark shedding: each pruned
+    monkeypatch.setattr(planner_mod._ValueBounds, "lowest_candidates", spy(lowest))
+    monkeypatch.setattr(planner_mod._ValueBounds, "highest_gain_candidates", spy(highest))
+    pruned = Planner(c).plan(v, 10.0, desired={Tier.CPU: want})
+    # shed + fill of the desired tier, and the gpu tier's watermark shedding: each pruned
     assert len(kept) == 3 and all(after < before / 3 for before, after in kept)
-    monkeypatch.setattr(vb, "lowest_candidates", lambda self, rows, *a: rows)
-    monkeypatch.setattr(vb, "highest_gain_candidates", lambda self, rows, *a: rows)
-    monkeypatch.setattr(vb, "lowest_in_mask", lambda self, *a: None)
-    full = Planner(c).plan(v, 10.0, pins=pins, desired={Tier.CPU: want})
+    monkeypatch.setattr(planner_mod._ValueBounds, "lowest_candidates", lambda self, rows, *a: rows)
+    monkeypatch.setattr(planner_mod._ValueBounds, "highest_gain_candidates", lambda self, rows, *a: rows)
+    full = Planner(c).plan(v, 10.0, desired={Tier.CPU: want})
     assert len(pruned.moves) > 400
     assert [(m.action, m.block, m.src, m.dst, m.value_s) for m in pruned.moves] == [
         (m.action, m.block, m.src, m.dst, m.value_s) for m in full.moves
