@@ -374,30 +374,22 @@ class Planner:
                 continue
             room[spec.tier] = 0
             need = count - low
-            rank = spec.tier.rank
-            mask = (tier_mask & bit) != 0  # the candidates as a mask (on bool: ~3x faster than uint8 bits)
-            if pins:  # pinned to this tier or a slower one: stays
-                prot = [
-                    r
-                    for r in np.flatnonzero(mask & pinned_rows).tolist()
-                    if pins.get(int(view.hashes[r]), Tier.REMOTE).rank >= rank
-                ]
-                plan.held["pinned"] += len(prot)
-                mask[prot] = False
-            rec = mask & recent
-            plan.held["hysteresis"] += int(np.count_nonzero(rec))
-            mask ^= rec
-            n_cand = int(np.count_nonzero(mask))
-            if n_cand == 0:
+            cand = np.flatnonzero((tier_mask & bit) != 0)  # (on bool: ~3x faster than on the uint8 bits)
+            prot = np.zeros(cand.size, np.bool_)
+            if pins:
+                pinned_here = view.hashes[cand[pinned_rows[cand]]]
+                pin_rank = np.array([pins.get(int(h), Tier.REMOTE).rank for h in pinned_here], np.int64)
+                prot[np.flatnonzero(pinned_rows[cand])[pin_rank >= spec.tier.rank]] = True
+            rec = recent[cand]
+            plan.held["pinned"] += int(np.count_nonzero(prot))
+            plan.held["hysteresis"] += int(np.count_nonzero(rec & ~prot))
+            cand = cand[~prot & ~rec]
+            if cand.size == 0:
                 continue
+            n_cand, rank = cand.size, spec.tier.rank
             kk = min(need, cfg.max_candidates_per_tier, ops_cap)
-            v_at = functools.partial(val, rank=rank)
-            # only rows that can be among the kk lowest values (exact), pruned on the mask when it can
-            cand = bounds().lowest_in_mask(mask, n_cand, kk, rank, v_at) if n_cand > 8 * kk else None
-            if cand is None:
-                cand = np.flatnonzero(mask)
-                if n_cand > 8 * kk:
-                    cand = bounds().lowest_candidates(cand, kk, rank, v_at)
+            if n_cand > 8 * kk:  # only rows that can be among the kk lowest values (exact)
+                cand = bounds().lowest_candidates(cand, kk, rank, functools.partial(val, rank=rank))
             v_here = val(cand, rank)
             take = _smallest(v_here, kk)
             order, v_order = cand[take], v_here[take]
