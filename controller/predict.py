@@ -121,7 +121,8 @@ class HeuristicPredictor:
             hi = min(n, lo + _CHUNK)
             self._refresh(c, slice(lo, hi), freq[lo:hi], gap[lo:hi], fill)
         age = np.subtract(np.float64(now_ms), index.last_access[:n], dtype=np.float32, out=out)
-        np.maximum(age, 0.0, out=age)
+        if not getattr(index, "last_access_max", np.inf) <= now_ms:  # (else every age is >= 0 already)
+            np.maximum(age, 0.0, out=age)
         np.divide(age, c.neg_tau[:n], out=age)  # age / -tau == -(age / tau), exactly
         np.exp(age, out=age)
         age *= c.ft[:n]  # unused slots have freq 0, hence p = 0

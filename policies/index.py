@@ -118,7 +118,10 @@ class BlockState:
 
 
 class BlockIndex:
-    """Tracks blocks by hash: prefix tree links, residency per tier, recency/frequency/gap statistics."""
+    """Tracks blocks by hash: prefix tree links, residency per tier, recency/frequency/gap statistics.
+
+    The per-slot arrays are public for vectorised reads; write them through the methods only (the change
+    logs and ``last_access_max`` that incremental readers rely on are kept there)."""
 
     def __init__(self, initial_capacity: int = 1 << 14, *, max_blocks: int | None = None) -> None:
         if max_blocks is not None and max_blocks <= 0:
@@ -133,6 +136,7 @@ class BlockIndex:
         self._nbytes_log = SlotLog()
         # rows whose access stats (freq, gap EWMA) changed: touches and slot drops (:meth:`touched_since`)
         self._touch_log = SlotLog()
+        self.last_access_max = -np.inf  # latest access time ever written (ms): readers skip age clamps
         cap = max(16, initial_capacity if max_blocks is None else min(initial_capacity, max_blocks))
         self._alloc(cap)
 
@@ -296,6 +300,8 @@ class BlockIndex:
         s = self._new_slot(key)
         self.first_seen[s] = t
         self.last_access[s] = t
+        if t > self.last_access_max:
+            self.last_access_max = t
         if parent_key is not None:
             self._link(s, parent_key)
         return s
@@ -341,6 +347,8 @@ class BlockIndex:
             self.gap_ewma[s] = gap if np.isnan(e) else (1 - _EWMA_ALPHA) * e + _EWMA_ALPHA * gap
         self.freq[s] += 1
         self.last_access[s] = t
+        if t > self.last_access_max:
+            self.last_access_max = t
         self._touch_log.add(s)
 
     def store(
@@ -360,6 +368,8 @@ class BlockIndex:
             s = self._new_slot(key)
             self.first_seen[s] = t
             self.last_access[s] = t
+            if t > self.last_access_max:
+                self.last_access_max = t
             self.freq[s] = 1  # the store is its first access
             self._touch_log.add(s)
             if pkey is not None:

@@ -53,6 +53,38 @@ class InFlightMoves:
         self._n += 1
         self._live += 1
 
+    def record_many(self, blocks: list[int], at_s: float, clear: list[int], put: list[int]) -> None:
+        """:meth:`record` for each move in order (a block listed twice keeps its last move), in one pass
+        of array writes."""
+        last = {b: j for j, b in enumerate(blocks)}  # the last move of each block
+        if len(last) < len(blocks):
+            js = sorted(last.values())
+            blocks, clear, put = [blocks[j] for j in js], [clear[j] for j in js], [put[j] for j in js]
+        m = len(blocks)
+        if m == 0:
+            return
+        old = [i for i in map(self._pos.get, blocks) if i is not None]
+        if old:
+            self.valid[old] = False
+            self._live -= len(old)
+        if self._n + m > self.at.shape[0]:
+            self._compact(grow=True, room=m)
+        i, j = self._n, self._n + m
+        self.at[i:j] = at_s
+        self.key[i:j] = blocks
+        self.clear[i:j] = clear
+        self.put[i:j] = put
+        self.row[i:j] = -1
+        self.valid[i:j] = True
+        self._pos.update(zip(blocks, range(i, j), strict=True))  # (a compaction made a new dict)
+        self._n = j
+        self._live += m
+
+    def at_of(self, block: int) -> float | None:
+        """Commit time (s) of ``block``'s live move, None if it has none."""
+        i = self._pos.get(block)
+        return None if i is None else float(self.at[i])
+
     def expire(self, horizon_s: float) -> None:
         """Drop the entries committed before ``horizon_s``."""
         n = self._n
@@ -66,12 +98,14 @@ class InFlightMoves:
         if self._n > 2 * self._live + _MIN_CAP:
             self._compact(grow=False)
 
-    def _compact(self, grow: bool) -> None:
+    def _compact(self, grow: bool, room: int = 1) -> None:
+        """Drop the invalid entries; with ``grow``, leave room for ``room`` more."""
         keep = np.flatnonzero(self.valid[: self._n])
         cols: list[npt.NDArray[np.generic]] = [
             a[keep] for a in (self.at, self.key, self.clear, self.put, self.row)
         ]
         cap = max(_MIN_CAP, 2 * keep.size, self.at.shape[0] * 2 if grow and keep.size * 2 > self._n else 0)
+        cap = max(cap, keep.size + room) if grow else cap
         self._alloc(cap)
         m = keep.size
         for name, c in zip(("at", "key", "clear", "put", "row"), cols, strict=True):

@@ -290,6 +290,9 @@ class LearnedPolicy(Policy):
         )
         z = self.model.predict_logit(x) if self.model.trained else fallback_logit(x)
         self._record_events(slots, x, z, now)
+        if self._k_c is not None:  # P(reuse) is asked for (the controller's tick): memoise the fresh
+            version, key_of = self._key_memo()  # keys here, on the feeding path, not in the tick
+            self._kcache.warm(slots, self._last_event[slots], version, key_of)
         self._freq[slots] = freq + 1
         if known < n:
             self._turn[slots[new]] = turn + 1

@@ -25,6 +25,7 @@ stops ping-pong.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -209,14 +210,13 @@ class _Bucket:
 
 
 class Planner:
-    """Stateful only in its token buckets and the last-move times (both fed by the caller's clock)."""
+    """Stateful only in its token buckets and the committed moves (both fed by the caller's clock)."""
 
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
         self._buckets: dict[str, _Bucket] = {}
-        # block -> (now_s, move, bits it clears, bits it sets), ordered by commit time
-        self._last_move: dict[int, tuple[float, Move, int, int]] = {}
-        self._inflight = InFlightMoves()  # the same moves as arrays (the tick's in-flight pass)
+        # each block's latest committed move (time, bits it clears / sets) as arrays: the in-flight pass
+        self._inflight = InFlightMoves()
 
     def reconfigure(self, config: PlannerConfig) -> None:
         """Swap the config at a tick boundary (buckets are kept, clipped to the new depth)."""
@@ -245,24 +245,14 @@ class Planner:
 
         Until observed state catches up (at most ``hysteresis_s``; pins ``pin_retry_s``) the planner assumes
         their effect, so re-planning the same state is a no-op and a block is not moved again."""
-        lm = self._last_move
+        blocks, clear, put = [], [], []
         for m in moves:
-            lm.pop(m.block, None)  # re-insert at the end: the dict stays ordered by commit time
-            clear = _BITS[m.src] if m.action in ("demote", "evict") and m.src is not None else 0
-            put = _BITS[m.dst] if m.dst is not None and m.action != "evict" else 0
-            lm[m.block] = (now_s, m, clear, put)
-            self._inflight.record(m.block, now_s, clear, put)
+            blocks.append(m.block)
+            clear.append(_BITS[m.src] if m.action in ("demote", "evict") and m.src is not None else 0)
+            put.append(_BITS[m.dst] if m.dst is not None and m.action != "evict" else 0)
+        self._inflight.record_many(blocks, now_s, clear, put)
         horizon = now_s - max(self.config.hysteresis_s, self.config.pin_retry_s)
-        while lm:
-            k = next(iter(lm))
-            if lm[k][0] >= horizon:
-                break
-            del lm[k]
         self._inflight.expire(horizon)
-
-    def last_move_s(self, block: int) -> float | None:
-        v = self._last_move.get(block)
-        return v[0] if v else None
 
     def _in_flight(
         self, view: BlockView, now_s: float
@@ -396,8 +386,12 @@ class Planner:
             cand = cand[~prot & ~rec]
             if cand.size == 0:
                 continue
-            v_here = val(cand, spec.tier.rank)
-            take = _smallest(v_here, min(need, cfg.max_candidates_per_tier, ops_cap))
+            n_cand, rank = cand.size, spec.tier.rank
+            kk = min(need, cfg.max_candidates_per_tier, ops_cap)
+            if n_cand > 8 * kk:  # only rows that can be among the kk lowest values (exact)
+                cand = bounds().lowest_candidates(cand, kk, rank, functools.partial(val, rank=rank))
+            v_here = val(cand, rank)
+            take = _smallest(v_here, kk)
             order, v_order = cand[take], v_here[take]
             slower_bits = sum(tier_bit(sp.tier) for sp in specs[i + 1 :])
             nxt = specs[i + 1].tier if i + 1 < len(specs) else None
@@ -415,7 +409,7 @@ class Planner:
                     plan.held["last_copy"] += 1
                     continue
                 candidates.append((1, -m.value_s, m))
-            beyond = min(need, cand.size) - order.size  # qualified but past the per-tick cap
+            beyond = min(need, n_cand) - order.size  # qualified but past the per-tick cap
             if beyond > 0:
                 plan.tried["demote" if nxt is not None else "evict"] += beyond
                 plan.deferred["demote" if nxt is not None else "evict"] += beyond
@@ -604,8 +598,8 @@ class Planner:
         acked = set(pinned_at_layer)
         admittable = set(pin_admittable)
         for h, tier in pins.items():
-            last = self._last_move.get(h)
-            if last is not None and now_s - last[0] < self.config.pin_retry_s:
+            last = self._inflight.at_of(h)
+            if last is not None and now_s - last < self.config.pin_retry_s:
                 plan.held["pin_in_flight"] += 1
                 continue
             r = row_of.get(h)
@@ -769,8 +763,8 @@ class _ValueBounds:
         self.nb_min = float(view.nbytes.min()) if len(view) else 0.0
         self.nb_max = float(view.nbytes.max()) if len(view) else 0.0
 
-    def _p(self, rows: npt.NDArray[np.intp]) -> npt.NDArray[np.float64] | None:
-        pr = self.p.take(rows).astype(np.float64)
+    def _p(self, rows: npt.NDArray[np.intp]) -> npt.NDArray[np.floating[Any]] | None:
+        pr = self.p.take(rows)  # (the view's float32: products with float64 arrays are exact float64)
         return pr if bool((pr >= 0.0).all()) else None  # NaN / negative: no bound, keep every row
 
     def lowest_candidates(
@@ -784,14 +778,16 @@ class _ValueBounds:
         pr = self._p(rows)
         # value >= p * a_lo (floating-point monotone: tokens >= tok_min, nbytes <= nb_max)
         a_lo = self.tok_min * self.c - self.nb_max / float(self.bw[rank])
-        if pr is None or a_lo < 0.0 or rows.size <= 4 * k:
+        if pr is None or a_lo <= 0.0 or rows.size <= 4 * k:
             return rows
         # the probe: the least likely rows of a strided sample (any k+ rows give a valid threshold; the
         # sample's keep it tight at a fraction of the cost, and of the worst cases, of a full argpartition)
         sample = np.arange(0, rows.size, max(1, rows.size // (64 * k)))
         probe = sample[np.argpartition(pr[sample], 4 * k)[: 4 * k]] if sample.size > 4 * k else sample
         theta = float(np.partition(value(rows[probe]), k - 1)[k - 1])  # k-th lowest value among them
-        return rows[pr * a_lo <= theta]
+        # p * a_lo <= theta, as one comparison in P's own type against a cut rounded up (keeps a superset)
+        cut = np.nextafter(pr.dtype.type(theta / a_lo * (1.0 + 1e-9)), pr.dtype.type(np.inf))
+        return rows[pr <= cut]
 
     def highest_gain_candidates(
         self,

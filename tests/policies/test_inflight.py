@@ -1,5 +1,6 @@
-"""InFlightMoves gives exactly what a dict of each block's latest move gives: random commits (blocks moved
-again), expiry, compaction, and index rows that move (slots dropped and reused under a new epoch)."""
+"""InFlightMoves gives exactly what a dict of each block's latest move gives: random commits one by one and
+in batches (blocks moved again, also within a batch), expiry, compaction, and index rows that move (slots
+dropped and reused under a new epoch)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,14 @@ def test_live_rows_equal_a_dict_of_latest_moves_through_commits_expiry_and_slot_
     t = 0.0
     for step in range(120):
         t += 1.0
-        for b in rng.integers(10_000, 10_000 + n_rows + 200, 60).tolist():  # some never in the index
-            clear, put = int(rng.integers(0, 16)), int(rng.integers(0, 16))
-            inf.record(b, t, clear, put)
+        batch = rng.integers(10_000, 10_000 + n_rows + 200, 60).tolist()  # some never in the index
+        bits = [(int(rng.integers(0, 16)), int(rng.integers(0, 16))) for _ in batch]
+        if step % 2:  # one at a time, or a tick's moves at once (a block may be listed twice)
+            for b, (clear, put) in zip(batch, bits, strict=True):
+                inf.record(b, t, clear, put)
+        else:
+            inf.record_many(batch, t, [c for c, _ in bits], [p for _, p in bits])
+        for b, (clear, put) in zip(batch, bits, strict=True):
             ref[b] = (t, clear, put)
         horizon = t - 30.0
         inf.expire(horizon)
@@ -45,6 +51,8 @@ def test_live_rows_equal_a_dict_of_latest_moves_through_commits_expiry_and_slot_
         )
         assert got == want
         assert len(inf) == len(ref)
+        some = list(ref)[:5] + [1]
+        assert [inf.at_of(b) for b in some] == [ref[b][0] if b in ref else None for b in some]
 
 
 def test_rows_are_looked_up_again_without_an_epoch() -> None:

@@ -159,10 +159,10 @@ def test_config_validation() -> None:
 def test_desired_tier_pruned_ranking_equals_ranking_every_candidate(
     seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With many more fill / shed candidates than moves fit the budgets, the planner ranks only the rows
-    whose value bound can reach the k-th best of the likeliest ones; the moves (blocks, actions, values,
-    order) and the tried / deferred counts equal those of ranking every candidate. Mixed block sizes,
-    token counts and source tiers."""
+    """With many more fill / shed candidates than moves fit the budgets (a policy-placed tier, and a tier
+    above its high watermark), the planner ranks only the rows whose value bound can reach the k-th best
+    of the likeliest ones; the moves (blocks, actions, values, order) and the tried / deferred counts
+    equal those of ranking every candidate. Mixed block sizes, token counts and source tiers."""
     import kvtier.policies.planner as planner_mod
 
     rng = np.random.default_rng(seed)
@@ -200,7 +200,8 @@ def test_desired_tier_pruned_ranking_equals_ranking_every_candidate(
     monkeypatch.setattr(planner_mod._ValueBounds, "lowest_candidates", spy(lowest))
     monkeypatch.setattr(planner_mod._ValueBounds, "highest_gain_candidates", spy(highest))
     pruned = Planner(c).plan(v, 10.0, desired={Tier.CPU: want})
-    assert len(kept) == 2 and all(after < before / 3 for before, after in kept)  # the pruning did prune
+    # shed + fill of the desired tier, and the gpu tier's watermark shedding: each pruned
+    assert len(kept) == 3 and all(after < before / 3 for before, after in kept)
     monkeypatch.setattr(planner_mod._ValueBounds, "lowest_candidates", lambda self, rows, *a: rows)
     monkeypatch.setattr(planner_mod._ValueBounds, "highest_gain_candidates", lambda self, rows, *a: rows)
     full = Planner(c).plan(v, 10.0, desired={Tier.CPU: want})
