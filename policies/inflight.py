@@ -39,19 +39,7 @@ class InFlightMoves:
 
     def record(self, block: int, at_s: float, clear: int, put: int) -> None:
         """A move of ``block`` committed at ``at_s`` (replaces the block's earlier entry)."""
-        old = self._pos.get(block)
-        if old is not None:
-            self.valid[old] = False
-            self._live -= 1
-        if self._n == self.at.shape[0]:
-            self._compact(grow=True)
-        i = self._n
-        self.at[i], self.key[i], self.clear[i], self.put[i] = at_s, block, clear, put
-        self.row[i] = -1
-        self.valid[i] = True
-        self._pos[block] = i
-        self._n += 1
-        self._live += 1
+        self.record_many([block], at_s, [clear], [put])
 
     def record_many(self, blocks: list[int], at_s: float, clear: list[int], put: list[int]) -> None:
         """:meth:`record` for each move in order (a block listed twice keeps its last move), in one pass

@@ -34,7 +34,7 @@ import numpy.typing as npt
 from kvtier.policies.base import HitMask, Policy, Request, prefix_tokens
 from kvtier.policies.features import FEATURE_NAMES, FeatureRing, fallback_logit, request_features
 from kvtier.policies.keyed_planner import KeyedPlanner
-from kvtier.policies.predictor import BinnedLogit, auc, brier, reliability, sigmoid
+from kvtier.policies.predictor import BinnedLogit, auc, brier, reliability, sigmoid, sigmoid32
 from kvtier.policies.slot_expert import make_expert
 from kvtier.policies.slotmap import LogitCache, SlotMap, grown_size
 
@@ -529,7 +529,7 @@ class LearnedPolicy(Policy):
             a -= now / c
         else:
             a -= np.maximum(now, self._last_ms[s_ok]) / c
-        p = _sigmoid32(a)
+        p = sigmoid32(a)
         if n_ok == m:
             return p
         out = np.full(m, np.nan, np.float32)
@@ -751,13 +751,3 @@ class LearnedPolicy(Policy):
             out["reuse_probability_at_access"] = float(sigmoid(zz)[0])
         return out
 
-
-def _sigmoid32(x: npt.NDArray[np.float64]) -> npt.NDArray[np.float32]:
-    """``1 / (1 + exp(-x))`` in float32 (a new array): within float32 rounding of the float64 sigmoid,
-    tiny but nonzero down to x ~ -87 (then 0), ~4x cheaper than the float64 tanh form."""
-    y = np.negative(x, dtype=np.float32)
-    with np.errstate(over="ignore"):
-        np.exp(y, out=y)
-    y += np.float32(1.0)
-    np.reciprocal(y, out=y)
-    return y

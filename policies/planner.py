@@ -647,8 +647,6 @@ class _UpMoves:
         )  # fmt: skip
         self.threshold = threshold
         self.top_bit = np.uint8(tier_bit(top))
-        self._elig: npt.NDArray[np.intp] | None = None  # the full pass (fallback), computed once
-        self._elig_rank = np.zeros(0, np.int8)
 
     def exact(
         self, rows: npt.NDArray[np.intp], rank: int
@@ -665,8 +663,8 @@ class _UpMoves:
         ok &= src > rank
         return rows[ok], src[ok]
 
-    def count(self, rank: int) -> int:
-        """How many rows qualify for a tier of ``rank`` (bool passes over every row, no gathers)."""
+    def _qualifying(self, rank: int) -> npt.NDArray[np.bool_]:
+        """:meth:`exact` as a mask over every row (bool passes, no gathers)."""
         v, tm = self.view, self.tier_mask
         ok = v.p_reuse >= self.threshold
         ok &= (tm != 0) | v.admittable
@@ -674,7 +672,11 @@ class _UpMoves:
         ok &= ~self.recent
         ok &= ~self.pinned
         ok &= ~self.promoted
-        return int(np.count_nonzero(ok))
+        return ok
+
+    def count(self, rank: int) -> int:
+        """How many rows qualify for a tier of ``rank``."""
+        return int(np.count_nonzero(self._qualifying(rank)))
 
     def candidates(
         self,
@@ -718,16 +720,8 @@ class _UpMoves:
                     rows, src = rows[reach], src[reach]
                     # >= k qualify: with k = free that settles min(free, n); else count them all
                     return rows, src, max(rows.size, k) if k >= free else self.count(rank)
-        if self._elig is None:
-            ok = v.p_reuse >= self.threshold
-            ok &= (self.tier_mask != 0) | v.admittable
-            ok &= (self.tier_mask & self.top_bit) == 0
-            elig = np.flatnonzero(ok)
-            self._elig = elig = elig[~self.recent[elig] & ~self.pinned[elig]]
-            self._elig_rank = _FIRST_RANK[self.tier_mask[elig]]  # fastest resident tier of each; 4 = none
-        elig, elig_rank = self._elig, self._elig_rank
-        sel = (elig_rank > rank) & ~self.promoted[elig]
-        cand, cand_rank = elig[sel], elig_rank[sel]
+        cand = np.flatnonzero(self._qualifying(rank))
+        cand_rank = _FIRST_RANK[self.tier_mask[cand]]  # fastest resident tier of each; 4 = none
         n_qual = int(cand.size)
         if cand.size > 8 * k:
             groups: list[npt.NDArray[np.intp]] = []

@@ -127,6 +127,17 @@ def sigmoid(z: FloatArray) -> FloatArray:
     return 0.5 * (1.0 + np.tanh(0.5 * z))
 
 
+def sigmoid32(x: FloatArray) -> npt.NDArray[np.float32]:
+    """``1 / (1 + exp(-x))`` in float32 (a new array): within float32 rounding of :func:`sigmoid`, tiny but
+    nonzero down to x ~ -87 (then 0), ~4x cheaper than the float64 tanh form."""
+    y = np.negative(x, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        np.exp(y, out=y)
+    y += np.float32(1.0)
+    np.reciprocal(y, out=y)
+    return y
+
+
 def auc(y: BoolArray, score: FloatArray) -> float | None:
     """Area under the ROC curve (ties count half); None when one class is missing."""
     y = np.asarray(y, dtype=bool)
