@@ -12,6 +12,7 @@ outcome of the actuator). The :class:`ShadowScorer` later asks the index whether
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -21,6 +22,8 @@ from typing import Any, Literal
 Outcome = Literal["planned", "shadow", "applied", "failed", "skipped"]
 OUTCOMES: tuple[Outcome, ...] = ("planned", "shadow", "applied", "failed", "skipped")
 UPWARD = frozenset({"promote", "prefetch", "admit", "pin"})
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -60,6 +63,7 @@ class ShadowReport:
     tokens_gained: int = 0
     downward: int = 0
     regrets: int = 0  # downward decisions whose block came back
+    unscored_dropped: int = 0  # oldest unscored decisions dropped to keep the pending queue bounded
     by_action: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
@@ -73,14 +77,38 @@ class ShadowReport:
 
 
 class DecisionLog:
-    """Bounded, thread-safe ring of decisions, newest last."""
+    """Bounded, thread-safe ring of decisions, newest last.
 
-    def __init__(self, max_len: int = 20_000) -> None:
+    Decisions wait in a pending queue until their scoring horizon has passed. That queue holds at most
+    ``max_pending`` (~300 B each: 100,000 is ~30 MB, 330 decisions/s over a 300 s horizon); beyond it the
+    oldest unscored ones are dropped, counted in ``report.unscored_dropped`` and logged, never kept
+    without bound.
+    """
+
+    def __init__(self, max_len: int = 20_000, max_pending: int = 100_000) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self._d: deque[Decision] = deque(maxlen=max_len)
         self._lock = threading.Lock()
         self._next = 1
         self._pending: deque[Decision] = deque()  # not yet scored, oldest first
+        self.max_pending = max_pending
         self.report = ShadowReport()
+
+    def _bound_pending(self) -> None:
+        over = len(self._pending) - self.max_pending
+        if over <= 0:
+            return
+        for _ in range(over):
+            self._pending.popleft()
+        first = self.report.unscored_dropped == 0
+        self.report.unscored_dropped += over
+        if first:
+            log.warning(
+                "decision log: more than %d decisions awaiting their scoring horizon; dropping the oldest "
+                "unscored ones (counted in shadow.unscored_dropped)",
+                self.max_pending,
+            )
 
     def new_id(self) -> int:
         with self._lock:
@@ -99,12 +127,14 @@ class DecisionLog:
         with self._lock:
             self._d.append(d)
             self._pending.append(d)
+            self._bound_pending()
 
     def add_many(self, ds: list[Decision]) -> None:
         """:meth:`add` of each, in order, under one lock."""
         with self._lock:
             self._d.extend(ds)
             self._pending.extend(ds)
+            self._bound_pending()
 
     def __len__(self) -> int:
         return len(self._d)

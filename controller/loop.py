@@ -158,6 +158,7 @@ class ReconcileLoop:
         self.model = model
         self.index_ms_per_s = index_ms_per_s
         self.max_score_per_tick = max_score_per_tick
+        self._unscored_dropped_seen = 0  # decisions.report.unscored_dropped already counted in the metric
         self.assume_admittable = assume_admittable  # replay: any block can be re-created (recompute)
         self.planner = Planner(policy.planner_config())
         # the placement policy object (``--policy``): fed the inferred requests, its resident set is the
@@ -934,6 +935,10 @@ class ReconcileLoop:
     def _score(self, now: float) -> None:
         horizon = self.policy.shadow_horizon_s
         idx = self.index
+        dropped = self.decisions.report.unscored_dropped
+        if dropped > self._unscored_dropped_seen:
+            self.metrics.shadow_unscored_dropped.inc(dropped - self._unscored_dropped_seen)
+            self._unscored_dropped_seen = dropped
         due = self.decisions.due(now - horizon, self.max_score_per_tick)
         if not due:
             return

@@ -81,6 +81,11 @@ class ControllerMetrics:
             "kvtier_shadow_regrets", "Downward decisions whose block came back (would-be misses).", registry=r
         )
         self.shadow_scored = Counter("kvtier_shadow_scored", "Decisions scored counterfactually.", registry=r)
+        self.shadow_unscored_dropped = Counter(
+            "kvtier_shadow_unscored_dropped",
+            "Decisions dropped unscored to keep the pending queue bounded.",
+            registry=r,
+        )
         self.shadow_tokens = Counter(
             "kvtier_shadow_hit_tokens", "Prefill tokens the would-be hits save.", registry=r
         )

@@ -530,3 +530,35 @@ def test_active_mode_without_a_recreating_actuator_spends_the_budget_on_feasible
     idx2.remove(61, Tier.GPU)
     loop2.tokens.add_chain([61], list(range(32)), 32)
     assert loop2._admits_possible() and loop2.tick().decisions >= 1  # shadow mode still scores admits
+
+
+def test_pending_decisions_stay_bounded_and_drops_are_counted() -> None:
+    """Decisions made faster than their horizon passes: the oldest unscored ones are dropped and counted
+    (report, metric), the newest is the one scored, and the ring keeps every decision queryable."""
+    loop, idx, act, reg, _, clock = make(mode="shadow")
+    loop.decisions.max_pending = 1
+    fill_gpu(idx, clock)
+    loop.tick()  # sheds 2 gpu blocks: 2 decisions, 1 kept
+    rep = loop.decisions.report
+    assert len(loop.decisions) == 2 and rep.unscored_dropped == 1
+    assert [d.id for d in loop.decisions.pending()] == [loop.decisions.query(limit=1)[0].id]  # the newest
+    clock.t += loop.policy.shadow_horizon_s + 1
+    loop.decisions.max_pending = 100  # room for the next tick's decisions: the one kept gets scored
+    loop.tick()
+    assert rep.scored == 1 and rep.unscored_dropped == 1
+    assert reg.get_sample_value("kvtier_shadow_unscored_dropped_total") == rep.unscored_dropped
+
+
+def test_decision_log_bound_direct() -> None:
+    from kvtier.controller.decisions import Decision, DecisionLog
+
+    with pytest.raises(ValueError, match="max_pending"):
+        DecisionLog(max_pending=0)
+    log_ = DecisionLog(max_len=10, max_pending=4)
+    mk = lambda i: Decision(i, 0, 0.0, "evict", i, "gpu", "gpu", 0.0, 0.5, False, "shadow")  # noqa: E731
+    log_.add_many([mk(i) for i in range(1, 4)])
+    log_.add(mk(4))
+    assert log_.report.unscored_dropped == 0
+    log_.add_many([mk(i) for i in range(5, 8)])
+    assert [d.id for d in log_.pending()] == [4, 5, 6, 7]
+    assert log_.report.unscored_dropped == 3 and len(log_) == 7
