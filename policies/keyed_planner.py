@@ -127,7 +127,7 @@ class KeyedPlanner:
         leaves = np.flatnonzero(self.resident & (self.res_children == 0))
         self.heap = list(zip(self.key[leaves].tolist(), leaves.tolist(), strict=True))
         heapq.heapify(self.heap)
-        self.heap_limit = 2 * len(self.heap) + 4096
+        self.heap_limit = len(self.heap) + len(self.heap) // 4 + 4096  # stale entries: <= 25 % + 4096
 
     def rekey(
         self,
