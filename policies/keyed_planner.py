@@ -72,6 +72,8 @@ class KeyedPlanner:
             if rc[s] == 0:
                 heapq.heappush(heap, (kl[i], s))
         if self.capacity <= 0 or n_hit == len(sl):
+            if len(heap) > self.heap_limit:  # all hits still push entries: bound the stale ones here too
+                self.compact()
             return hit
         key = self._v_key
         push, pop, pushpop = heapq.heappush, heapq.heappop, heapq.heappushpop
