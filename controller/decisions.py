@@ -19,6 +19,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+import numpy.typing as npt
+
 Outcome = Literal["planned", "shadow", "applied", "failed", "skipped"]
 OUTCOMES: tuple[Outcome, ...] = ("planned", "shadow", "applied", "failed", "skipped")
 UPWARD = frozenset({"promote", "prefetch", "admit", "pin"})
@@ -79,28 +82,80 @@ class ShadowReport:
 class DecisionLog:
     """Bounded, thread-safe ring of decisions, newest last.
 
-    Decisions wait in a pending queue until their scoring horizon has passed. That queue holds at most
-    ``max_pending`` (~300 B each: 100,000 is ~30 MB, 330 decisions/s over a 300 s horizon); beyond it the
-    oldest unscored ones are dropped, counted in ``report.unscored_dropped`` and logged, never kept
-    without bound.
+    Decisions wait until their scoring horizon has passed. The ring keeps the newest ``max_len`` as
+    objects (what ``/v1/decisions`` shows); the pending (unscored) ones are kept as columns, ~41 B each
+    (id, time, block, freq0, tokens, action), so a horizon's worth of decisions (e.g. 300 decisions/s over
+    300 s) costs ~4 MB, not ~45 MB of objects. At most ``max_pending`` wait; beyond it the oldest unscored
+    ones are dropped, counted in ``report.unscored_dropped`` and logged, never kept without bound.
     """
+
+    _COLS: tuple[tuple[str, Any], ...] = (
+        ("id", np.int64),
+        ("at", np.float64),
+        ("block", np.int64),
+        ("freq0", np.int64),
+        ("tokens", np.int64),
+        ("act", np.int16),
+    )
 
     def __init__(self, max_len: int = 20_000, max_pending: int = 100_000) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
-        self._d: deque[Decision] = deque(maxlen=max_len)
+        self._d: deque[Decision] = deque()
+        self.max_len = max_len
+        self._by_id: dict[int, Decision] = {}  # the ring's decisions by id
         self._lock = threading.Lock()
         self._next = 1
-        self._pending: deque[Decision] = deque()  # not yet scored, oldest first
         self.max_pending = max_pending
+        self._acts: list[str] = []  # action code -> name
+        self._act_code: dict[str, int] = {}
+        self._cap = 0
+        self._lo = self._hi = 0  # pending rows are [lo, hi) of the columns, oldest first
+        self._p: dict[str, npt.NDArray[Any]] = {c: np.zeros(0, t) for c, t in self._COLS}
         self.report = ShadowReport()
 
+    def _append(self, ds: list[Decision]) -> None:
+        ring, by_id = self._d, self._by_id
+        for d in ds:
+            if len(ring) >= self.max_len:
+                old = ring.popleft()
+                if by_id.get(old.id) is old:
+                    del by_id[old.id]
+            ring.append(d)
+            by_id[d.id] = d
+        k = len(ds)
+        if k == 0:
+            return
+        n = self._hi - self._lo
+        if self._hi + k > self._cap:  # move the live rows to the front, grow if still short
+            cap = max(self._cap, n + k, 1024)
+            if n + k > cap // 2:
+                cap = max(2 * cap, n + k)
+            for c, t in self._COLS:
+                arr: npt.NDArray[Any] = np.zeros(cap, t)
+                arr[:n] = self._p[c][self._lo : self._hi]
+                self._p[c] = arr
+            self._cap, self._lo, self._hi = cap, 0, n
+        lo, hi = self._hi, self._hi + k
+        codes = self._act_code
+        for name in {d.action for d in ds} - codes.keys():
+            codes[name] = len(self._acts)
+            self._acts.append(name)
+        p = self._p
+        p["id"][lo:hi] = [d.id for d in ds]
+        p["at"][lo:hi] = [d.at_s for d in ds]
+        p["block"][lo:hi] = [d.block for d in ds]
+        p["freq0"][lo:hi] = [d.freq0 for d in ds]
+        p["tokens"][lo:hi] = [d.tokens for d in ds]
+        p["act"][lo:hi] = [codes[d.action] for d in ds]
+        self._hi = hi
+        self._bound_pending()
+
     def _bound_pending(self) -> None:
-        over = len(self._pending) - self.max_pending
+        over = self._hi - self._lo - self.max_pending
         if over <= 0:
             return
-        for _ in range(over):
-            self._pending.popleft()
+        self._lo += over
         first = self.report.unscored_dropped == 0
         self.report.unscored_dropped += over
         if first:
@@ -109,6 +164,26 @@ class DecisionLog:
                 "unscored ones (counted in shadow.unscored_dropped)",
                 self.max_pending,
             )
+
+    def _materialize(self, rows: npt.NDArray[np.int64]) -> list[Decision]:
+        """Pending rows as decisions: the ring's own object when it is still there, else a bare one with
+        what scoring needs (id, time, block, action, freq0, tokens)."""
+        p, acts, by_id = self._p, self._acts, self._by_id
+        out: list[Decision] = []
+        for i, at, b, f0, tok, a in zip(
+            p["id"][rows].tolist(),
+            p["at"][rows].tolist(),
+            p["block"][rows].tolist(),
+            p["freq0"][rows].tolist(),
+            p["tokens"][rows].tolist(),
+            p["act"][rows].tolist(),
+            strict=True,
+        ):
+            d = by_id.get(i)
+            if d is None:
+                d = Decision(i, -1, at, acts[a], b, None, None, 0.0, 0.0, False, "", tokens=tok, freq0=f0)
+            out.append(d)
+        return out
 
     def new_id(self) -> int:
         with self._lock:
@@ -125,16 +200,12 @@ class DecisionLog:
 
     def add(self, d: Decision) -> None:
         with self._lock:
-            self._d.append(d)
-            self._pending.append(d)
-            self._bound_pending()
+            self._append([d])
 
     def add_many(self, ds: list[Decision]) -> None:
         """:meth:`add` of each, in order, under one lock."""
         with self._lock:
-            self._d.extend(ds)
-            self._pending.extend(ds)
-            self._bound_pending()
+            self._append(ds)
 
     def __len__(self) -> int:
         return len(self._d)
@@ -176,25 +247,36 @@ class DecisionLog:
 
     def pending(self) -> list[Decision]:
         with self._lock:
-            return list(self._pending)
+            return self._materialize(np.arange(self._lo, self._hi, dtype=np.int64))
+
+    @property
+    def n_pending(self) -> int:
+        return self._hi - self._lo
 
     def due(self, before_s: float, limit: int) -> list[Decision]:
-        """Oldest unscored decisions made before ``before_s`` (at most ``limit``)."""
-        out: list[Decision] = []
+        """Oldest unscored decisions made before ``before_s`` (at most ``limit``; in order, stopping at the
+        first later one)."""
         with self._lock:
-            for d in self._pending:
-                if d.at_s > before_s or len(out) >= limit:
-                    break
-                out.append(d)
-        return out
+            at = self._p["at"][self._lo : min(self._hi, self._lo + max(0, limit))]
+            later = np.flatnonzero(at > before_s)
+            k = int(later[0]) if later.size else at.shape[0]
+            return self._materialize(np.arange(self._lo, self._lo + k, dtype=np.int64))
 
     def mark_scored(self, decisions: list[Decision]) -> None:
-        done = {id(d) for d in decisions}
+        """Drop ``decisions`` from the pending ones and add them to the report."""
+        ids = np.fromiter((d.id for d in decisions), np.int64, len(decisions))
         with self._lock:
-            while self._pending and id(self._pending[0]) in done:
-                self._pending.popleft()
-            if any(id(d) in done for d in self._pending):
-                self._pending = deque(d for d in self._pending if id(d) not in done)
+            k = ids.shape[0]
+            live = self._p["id"][self._lo : self._hi]
+            if k and k <= live.shape[0] and np.array_equal(live[:k], ids):
+                self._lo += k  # the usual case: the oldest k, in order
+            elif k:
+                keep = ~np.isin(live, ids)
+                m = int(keep.sum())
+                for c in self._p:
+                    col = self._p[c]
+                    col[self._lo : self._lo + m] = col[self._lo : self._hi][keep]
+                self._hi = self._lo + m
             for d in decisions:
                 r = self.report
                 r.scored += 1

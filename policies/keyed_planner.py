@@ -72,6 +72,8 @@ class KeyedPlanner:
             if rc[s] == 0:
                 heapq.heappush(heap, (kl[i], s))
         if self.capacity <= 0 or n_hit == len(sl):
+            if len(heap) > self.heap_limit:  # all hits still push entries: bound the stale ones here too
+                self.compact()
             return hit
         key = self._v_key
         push, pop, pushpop = heapq.heappush, heapq.heappop, heapq.heappushpop
@@ -127,7 +129,7 @@ class KeyedPlanner:
         leaves = np.flatnonzero(self.resident & (self.res_children == 0))
         self.heap = list(zip(self.key[leaves].tolist(), leaves.tolist(), strict=True))
         heapq.heapify(self.heap)
-        self.heap_limit = 2 * len(self.heap) + 4096
+        self.heap_limit = len(self.heap) + len(self.heap) // 4 + 4096  # stale entries: <= 25 % + 4096
 
     def rekey(
         self,
