@@ -361,7 +361,9 @@ class ReconcileLoop:
             self.metrics.moves_deferred.labels(action=a).inc(c)
         with self._phase("act"):
             self._act(plan.moves, view, now, rep)
-            self.planner.commit(plan.moves, now)
+            # the in-flight window (hysteresis, pin retry) starts when the actuations returned: a slow
+            # warm-up must not use up the time its KV events need to reach the index
+            self.planner.commit(plan.moves, max(now, self.clock()))
         with self._phase("score"):
             self._score(now)
 

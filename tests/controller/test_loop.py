@@ -562,3 +562,37 @@ def test_decision_log_bound_direct() -> None:
     log_.add_many([mk(i) for i in range(5, 8)])
     assert [d.id for d in log_.pending()] == [4, 5, 6, 7]
     assert log_.report.unscored_dropped == 3 and len(log_) == 7
+
+
+class SlowWarmup(Recorder):
+    """A re-creating (warm-up-like) adapter whose call takes ``call_s`` seconds of the injected clock."""
+
+    name = "slow-warmup"
+    recreates = True
+
+    def __init__(self, clock: Clock, call_s: float) -> None:
+        super().__init__()
+        self.clock, self.call_s = clock, call_s
+
+    def prefetch(self, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
+        self.clock.t += self.call_s
+        return super().prefetch(blocks, to)
+
+
+def test_the_pin_retry_window_starts_when_the_actuation_returned() -> None:
+    """A warm-up that takes 4 s of a 5 s pin retry window must not be re-sent 2 s after it returned (its KV
+    events may still be on their way); an unmet pin is retried once the window has passed since then."""
+    loop, idx, _, _, _, clock = make()
+    act = SlowWarmup(clock, call_s=4.0)
+    loop.actuators = [act]
+    assert loop.policy.pin_retry_s == 5.0
+    loop.pins.add(
+        Pin(id="p1", tier=Tier.GPU, blocks=[101, 102], created_at_s=clock.t, token_ids=list(range(32)),
+            block_size=16)
+    )
+    t0 = clock.t
+    assert loop.tick().decisions == 2 and len(act.calls) == 1 and clock.t == t0 + 4
+    clock.t = t0 + 6  # 2 s after the warm-up returned, nothing in the index yet
+    assert loop.tick().decisions == 0 and len(act.calls) == 1
+    clock.t = t0 + 4 + 5  # the window has passed since the call returned: the unmet pin is retried
+    assert loop.tick().decisions == 2 and len(act.calls) == 2

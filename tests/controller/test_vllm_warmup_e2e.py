@@ -212,9 +212,20 @@ def test_serve_path_pin_warm_then_index_confirms_and_loop_goes_quiet(
             lambda: all(c.get(f"/v1/blocks/{h}").json().get("tiers") == ["gpu"] for h in hashes),
             "BlockStored events for the warmed chain",
         )
+        confirmed = applied()
         ticks = c.get("/v1/status").json()["controller"]["tick"]
         until(lambda: c.get("/v1/status").json()["controller"]["tick"] >= ticks + 3, "more ticks")
-        assert len(applied()) == len(hashes)  # level-based: satisfied pins cause no further warm-ups
+        assert len(applied()) == len(confirmed)  # level-based: satisfied pins cause no further warm-ups
+        # before the index confirmed, a warm-up is re-sent only as the unmet pin's retry: the whole chain,
+        # at least pin_retry_s after the previous one returned (a loaded CI machine can delay KV events)
+        by_tick: dict[int, list[dict[str, Any]]] = {}
+        for d in confirmed:
+            by_tick.setdefault(d["tick"], []).append(d)
+        sends = [by_tick[t] for t in sorted(by_tick)]
+        assert all(sorted(d["block_hash"] for d in g) == sorted(hashes) for g in sends), sends
+        retry_s = sc.plane.loop.policy.pin_retry_s
+        starts = [g[0]["at_s"] for g in sends]
+        assert all(b - a >= retry_s for a, b in zip(starts, starts[1:], strict=False)), starts
         st = c.get("/v1/status").json()
         assert st["mode"] == "active" and st["blocks_tracked"]["gpu"] >= len(hashes)
         assert st["controller"]["actuators"][0]["name"] == "vllm-warmup"
