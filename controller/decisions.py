@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
+
+from kvtier.controller.decision_ring import DecisionRing
 
 Outcome = Literal["planned", "shadow", "applied", "failed", "skipped"]
 OUTCOMES: tuple[Outcome, ...] = ("planned", "shadow", "applied", "failed", "skipped")
@@ -83,7 +84,8 @@ class DecisionLog:
     """Bounded, thread-safe ring of decisions, newest last.
 
     Decisions wait until their scoring horizon has passed. The ring keeps the newest ``max_len`` as
-    objects (what ``/v1/decisions`` shows); the pending (unscored) ones are kept as columns, ~41 B each
+    columns (:class:`~kvtier.controller.decision_ring.DecisionRing`; what ``/v1/decisions`` shows, scores
+    included; queries return snapshots); the pending (unscored) ones are kept as columns, ~41 B each
     (id, time, block, freq0, tokens, action), so a horizon's worth of decisions (e.g. 300 decisions/s over
     300 s) costs ~4 MB, not ~45 MB of objects. At most ``max_pending`` wait; beyond it the oldest unscored
     ones are dropped, counted in ``report.unscored_dropped`` and logged, never kept without bound.
@@ -101,9 +103,8 @@ class DecisionLog:
     def __init__(self, max_len: int = 20_000, max_pending: int = 100_000) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
-        self._d: deque[Decision] = deque()
+        self._ring = DecisionRing(max_len, Decision)
         self.max_len = max_len
-        self._by_id: dict[int, Decision] = {}  # the ring's decisions by id
         self._lock = threading.Lock()
         self._next = 1
         self.max_pending = max_pending
@@ -115,14 +116,7 @@ class DecisionLog:
         self.report = ShadowReport()
 
     def _append(self, ds: list[Decision]) -> None:
-        ring, by_id = self._d, self._by_id
-        for d in ds:
-            if len(ring) >= self.max_len:
-                old = ring.popleft()
-                if by_id.get(old.id) is old:
-                    del by_id[old.id]
-            ring.append(d)
-            by_id[d.id] = d
+        self._ring.extend(ds)
         k = len(ds)
         if k == 0:
             return
@@ -166,9 +160,9 @@ class DecisionLog:
             )
 
     def _materialize(self, rows: npt.NDArray[np.int64]) -> list[Decision]:
-        """Pending rows as decisions: the ring's own object when it is still there, else a bare one with
-        what scoring needs (id, time, block, action, freq0, tokens)."""
-        p, acts, by_id = self._p, self._acts, self._by_id
+        """Pending rows as bare decisions with what scoring needs (id, time, block, action, freq0, tokens);
+        :meth:`mark_scored` writes their scores into the ring for those still shown there."""
+        p, acts = self._p, self._acts
         out: list[Decision] = []
         for i, at, b, f0, tok, a in zip(
             p["id"][rows].tolist(),
@@ -179,10 +173,7 @@ class DecisionLog:
             p["act"][rows].tolist(),
             strict=True,
         ):
-            d = by_id.get(i)
-            if d is None:
-                d = Decision(i, -1, at, acts[a], b, None, None, 0.0, 0.0, False, "", tokens=tok, freq0=f0)
-            out.append(d)
+            out.append(Decision(i, -1, at, acts[a], b, None, None, 0.0, 0.0, False, "", tokens=tok, freq0=f0))
         return out
 
     def new_id(self) -> int:
@@ -208,7 +199,7 @@ class DecisionLog:
             self._append(ds)
 
     def __len__(self) -> int:
-        return len(self._d)
+        return len(self._ring)
 
     @property
     def total(self) -> int:
@@ -217,7 +208,7 @@ class DecisionLog:
 
     def __iter__(self) -> Iterator[Decision]:
         with self._lock:
-            return iter(list(self._d))
+            return iter(self._ring)
 
     def query(
         self,
@@ -228,22 +219,8 @@ class DecisionLog:
         outcome: str | None = None,
     ) -> list[Decision]:
         """Newest first, filtered."""
-        out: list[Decision] = []
         with self._lock:
-            items = reversed(self._d)
-            for d in items:
-                if action is not None and d.action != action:
-                    continue
-                if tier is not None and d.tier != tier:
-                    continue
-                if block is not None and d.block != block:
-                    continue
-                if outcome is not None and d.outcome != outcome:
-                    continue
-                out.append(d)
-                if len(out) >= limit:
-                    break
-        return out
+            return self._ring.query(limit, action, tier, block, outcome)
 
     def pending(self) -> list[Decision]:
         with self._lock:
@@ -266,6 +243,7 @@ class DecisionLog:
         """Drop ``decisions`` from the pending ones and add them to the report."""
         ids = np.fromiter((d.id for d in decisions), np.int64, len(decisions))
         with self._lock:
+            self._ring.update_scores(decisions)  # what /v1/decisions shows
             k = ids.shape[0]
             live = self._p["id"][self._lo : self._hi]
             if k and k <= live.shape[0] and np.array_equal(live[:k], ids):

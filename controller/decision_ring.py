@@ -1,0 +1,166 @@
+"""The newest decisions (what ``/v1/decisions`` shows) as columns in a fixed ring, not as objects.
+
+~20k :class:`Decision` objects alive at a time were nearly all of the sidecar's GC-tracked objects: every
+~20 ticks the cyclic GC's full collection traversed them (15-30 ms at 1M blocks), inside whichever tick
+allocated last. Here a decision is ~90 B of numpy columns plus a ``detail`` string in one list (the GC
+visits one container); strings repeat, so action / tiers / layer / outcome are small codes. Decisions go in
+as objects and come out as fresh objects (:meth:`DecisionRing.get`): a snapshot, not a live view.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from kvtier.controller.decisions import Decision
+
+_NUM: tuple[tuple[str, Any], ...] = (
+    ("id", np.int64),
+    ("tick", np.int64),
+    ("at", np.float64),
+    ("block", np.int64),
+    ("value", np.float64),
+    ("p", np.float64),
+    ("pinned", np.bool_),
+    ("tokens", np.int64),
+    ("freq0", np.int64),
+    ("back", np.int8),  # came_back: -1 None, 0 False, 1 True
+    ("score", np.float64),  # NaN: None
+    ("scored_at", np.float64),  # NaN: None
+)
+_CODED = ("action", "src", "tier", "layer", "outcome")  # str | None -> int16 code (-1: None)
+
+
+class DecisionRing:
+    """The newest ``max_len`` decisions, oldest overwritten first. Not thread-safe (the log locks)."""
+
+    def __init__(self, max_len: int, make: type[Decision]) -> None:
+        """``make``: the decision class (:class:`~kvtier.controller.decisions.Decision`)."""
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        self.max_len = max_len
+        self._make = make
+        self._c: dict[str, npt.NDArray[Any]] = {c: np.zeros(max_len, t) for c, t in _NUM}
+        for c in _CODED:
+            self._c[c] = np.full(max_len, -1, np.int16)
+        self._detail: list[str] = [""] * max_len
+        self._strs: list[str] = []
+        self._code: dict[str, int] = {}
+        self._pos: dict[int, int] = {}  # id -> position (ints only: untracked by the GC)
+        self._next = 0  # position of the next write
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _enc(self, s: str | None) -> int:
+        if s is None:
+            return -1
+        c = self._code.get(s)
+        if c is None:
+            c = self._code[s] = len(self._strs)
+            self._strs.append(s)
+        return c
+
+    def _dec(self, c: int) -> str | None:
+        return None if c < 0 else self._strs[c]
+
+    def extend(self, ds: Iterable[Decision]) -> None:
+        c, pos = self._c, self._pos
+        for d in ds:
+            i = self._next
+            if self._n == self.max_len:
+                old = int(c["id"][i])
+                if pos.get(old) == i:
+                    del pos[old]
+            else:
+                self._n += 1
+            self._next = (i + 1) % self.max_len
+            pos[d.id] = i
+            c["id"][i], c["tick"][i], c["at"][i], c["block"][i] = d.id, d.tick, d.at_s, d.block
+            c["value"][i], c["p"][i], c["pinned"][i] = d.value_s, d.p_reuse, d.pinned
+            c["tokens"][i], c["freq0"][i] = d.tokens, d.freq0
+            self._put_score(i, d)
+            for name in _CODED:
+                c[name][i] = self._enc(getattr(d, name))
+            self._detail[i] = d.detail
+
+    def _put_score(self, i: int, d: Decision) -> None:
+        c = self._c
+        c["back"][i] = -1 if d.came_back is None else int(d.came_back)
+        c["score"][i] = math.nan if d.score is None else d.score
+        c["scored_at"][i] = math.nan if d.scored_at_s is None else d.scored_at_s
+
+    def update_scores(self, ds: Iterable[Decision]) -> None:
+        """Write the scores of those of ``ds`` still in the ring."""
+        for d in ds:
+            i = self._pos.get(d.id)
+            if i is not None:
+                self._put_score(i, d)
+
+    def get(self, i: int) -> Decision:
+        """The decision at position ``i``, as a new object."""
+        c = self._c
+        back, sc, sat = int(c["back"][i]), float(c["score"][i]), float(c["scored_at"][i])
+        dec = self._dec
+        return self._make(
+            id=int(c["id"][i]),
+            tick=int(c["tick"][i]),
+            at_s=float(c["at"][i]),
+            action=dec(int(c["action"][i])) or "",
+            block=int(c["block"][i]),
+            src=dec(int(c["src"][i])),
+            tier=dec(int(c["tier"][i])),
+            value_s=float(c["value"][i]),
+            p_reuse=float(c["p"][i]),
+            pinned=bool(c["pinned"][i]),
+            layer=dec(int(c["layer"][i])) or "",
+            outcome=dec(int(c["outcome"][i])) or "planned",  # type: ignore[arg-type]
+            detail=self._detail[i],
+            tokens=int(c["tokens"][i]),
+            freq0=int(c["freq0"][i]),
+            came_back=None if back < 0 else bool(back),
+            score=None if math.isnan(sc) else sc,
+            scored_at_s=None if math.isnan(sat) else sat,
+        )
+
+    def by_id(self, decision_id: int) -> Decision | None:
+        i = self._pos.get(decision_id)
+        return None if i is None else self.get(i)
+
+    def _newest_first(self) -> npt.NDArray[np.int64]:
+        """Positions, newest first."""
+        return (self._next - 1 - np.arange(self._n, dtype=np.int64)) % self.max_len
+
+    def query(
+        self,
+        limit: int,
+        action: str | None = None,
+        tier: str | None = None,
+        block: int | None = None,
+        outcome: str | None = None,
+    ) -> list[Decision]:
+        """Newest first, filtered (vectorised over the codes)."""
+        order = self._newest_first()
+        if order.size == 0 or limit <= 0:
+            return []
+        keep = np.ones(order.size, np.bool_)
+        c = self._c
+        for name, want in (("action", action), ("tier", tier), ("outcome", outcome)):
+            if want is not None:
+                code = self._code.get(want)
+                if code is None:
+                    return []
+                keep &= c[name][order] == code
+        if block is not None:
+            keep &= c["block"][order] == block
+        return [self.get(int(i)) for i in order[keep][:limit].tolist()]
+
+    def __iter__(self) -> Iterator[Decision]:
+        """Oldest first (a snapshot)."""
+        return iter([self.get(int(i)) for i in self._newest_first()[::-1].tolist()])
