@@ -17,6 +17,10 @@ decayed window; on a switch it keeps its contents and from then on ranks by its 
 dropped can still outrank a leader-held one with much lower odds, so a short-lived or noisy lead costs
 little; no block appears without a miss).
 
+Features: the base columns of ``kvtier.policies.features`` plus ``extra_features`` (default: time since
+the block's first access, and first touch x log distinct blocks seen, which enters raw so its slope
+extrapolates past the label lag).
+
 Causal: a training row is (features of an access, age a) -> "next access in (a, a + h]", used only
 once ``a + h`` has passed; ``h`` and the ages follow the cache's own time scale (ages of recently
 evicted blocks). Until the first fit, a heuristic (tail penalty, frequency bonus, ``tau`` = 60 s) is
@@ -46,7 +50,10 @@ from kvtier.policies.slot_expert import make_expert
 from kvtier.policies.slotmap import LogitCache, SlotMap, grown_size
 
 _I64 = np.int64
-DEFAULT_EXTRA_FEATURES: tuple[str, ...] = ()  # optional re-touch columns (EXTRA_FEATURES)
+# re-touch columns on by default (round 10, docs/learned.md): the block's age since its first access, and
+# first touch x log(distinct blocks seen), a raw linear term that carries the drift of first-touch reuse
+# past the horizon the labels lag by; log_gap2_s stays optional
+DEFAULT_EXTRA_FEATURES: tuple[str, ...] = ("log_life_s", "first_log_seen")
 DEFAULT_EXPERTS = ("arc",)  # classic policies shadowed at full size as experts next to the learned planner
 _REKEY_CHUNK = 16384  # rows per model call when re-keying every resident block after a refit
 _LEAD_BIAS = 3.0  # log-odds added to the real cache's key of a block the followed expert holds

@@ -24,6 +24,7 @@ def _stored(pol: LearnedPolicy, n_rows: int) -> np.ndarray:
 
 def test_extra_features_are_appended_in_a_fixed_order_and_validated() -> None:
     assert LearnedPolicy(10, extra_features=()).feature_names == FEATURE_NAMES
+    assert LearnedPolicy(10).feature_names == FEATURE_NAMES + ("log_life_s", "first_log_seen")  # default
     pol = LearnedPolicy(10, extra_features=("first_log_seen", "log_life_s"))
     assert pol.feature_names == FEATURE_NAMES + ("log_life_s", "first_log_seen")
     assert pol._ev_x.n_cols == N_FEATURES + 2
