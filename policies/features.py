@@ -38,6 +38,15 @@ FEATURE_NAMES: tuple[str, ...] = (
 N_FEATURES = len(FEATURE_NAMES)
 # columns that are small integers by construction (0..64, 0/1, 0..512, 0/1, 0..7): stored exactly as int16
 INT_FEATURES: tuple[int, ...] = (0, 1, 2, 12, 13)
+# optional re-touch columns (``LearnedPolicy(extra_features=...)``), appended after FEATURE_NAMES in order
+EXTRA_FEATURES: tuple[str, ...] = (
+    "log_life_s",  # log1p(seconds since this block's first access); -1 on first touch (freq / life ~ rate)
+    "log_gap2_s",  # log1p(seconds since its second-to-last access, LRU-2's distance); -1 if seen < 2 times
+    # first_touch x log1p(distinct blocks seen before, in thousands): enters the model raw only (not binned),
+    # so its fitted slope extrapolates the drift of first-touch reuse past the training window's lag
+    "first_log_seen",
+)
+RAW_ONLY_FEATURES: tuple[str, ...] = ("first_log_seen",)
 
 
 def request_features(
@@ -112,16 +121,18 @@ def fallback_logit(feats: FloatArray) -> FloatArray:
 
 
 class FeatureRing:
-    """Fixed ring of stored feature rows (``size`` x ``N_FEATURES``) for the learned policy's events.
+    """Fixed ring of stored feature rows (``size`` x ``n_cols``) for the learned policy's events.
 
     Reads give exactly what a float32 matrix would (``float32(x)`` as float64) but take 46 instead of 56
-    bytes per row: the :data:`INT_FEATURES` columns (small integers, exact in int16 and in float32) are
-    kept as int16, the rest as float32. ``ring[pos]`` (pos: int, slice or index array) -> float64 rows,
-    ``ring[pos, col]`` -> one column; ``ring[pos] = x`` stores float64 rows ``x``."""
+    bytes per row. The :data:`INT_FEATURES` columns (small integers, exact in int16 and in float32) are
+    kept as int16, the rest (including any columns past ``N_FEATURES``) as float32. ``ring[pos]`` (pos:
+    int, slice or index array) -> float64 rows, ``ring[pos, col]`` -> one column; ``ring[pos] = x``
+    stores float64 rows ``x``."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, n_cols: int = N_FEATURES) -> None:
+        self.n_cols = n_cols
         self._icols = np.array(INT_FEATURES, dtype=np.intp)
-        self._fcols = np.array([c for c in range(N_FEATURES) if c not in INT_FEATURES], dtype=np.intp)
+        self._fcols = np.array([c for c in range(n_cols) if c not in INT_FEATURES], dtype=np.intp)
         self._col = {int(c): (False, i) for i, c in enumerate(self._fcols)}
         self._col.update({int(c): (True, i) for i, c in enumerate(self._icols)})
         self._f = np.zeros((size, self._fcols.size), dtype=np.float32)
@@ -141,7 +152,7 @@ class FeatureRing:
             is_int, j = self._col[int(col)]
             return (self._i if is_int else self._f)[pos, j].astype(np.float64)
         f = self._f[key]
-        out = np.empty(f.shape[:-1] + (N_FEATURES,), dtype=np.float64)
+        out = np.empty(f.shape[:-1] + (self.n_cols,), dtype=np.float64)
         out[..., self._fcols] = f
         out[..., self._icols] = self._i[key]
         return out

@@ -17,6 +17,10 @@ decayed window; on a switch it keeps its contents and from then on ranks by its 
 dropped can still outrank a leader-held one with much lower odds, so a short-lived or noisy lead costs
 little; no block appears without a miss).
 
+Features: the base columns of ``kvtier.policies.features`` plus ``extra_features`` (default: time since
+the block's first access, and first touch x log distinct blocks seen, which enters raw so its slope
+extrapolates past the label lag).
+
 Causal: a training row is (features of an access, age a) -> "next access in (a, a + h]", used only
 once ``a + h`` has passed; ``h`` and the ages follow the cache's own time scale (ages of recently
 evicted blocks). Until the first fit, a heuristic (tail penalty, frequency bonus, ``tau`` = 60 s) is
@@ -32,13 +36,24 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.policies.base import HitMask, Policy, Request, prefix_tokens
-from kvtier.policies.features import FEATURE_NAMES, FeatureRing, fallback_logit, request_features
+from kvtier.policies.features import (
+    EXTRA_FEATURES,
+    FEATURE_NAMES,
+    RAW_ONLY_FEATURES,
+    FeatureRing,
+    fallback_logit,
+    request_features,
+)
 from kvtier.policies.keyed_planner import KeyedPlanner
 from kvtier.policies.predictor import BinnedLogit, auc, brier, reliability, sigmoid, sigmoid32
 from kvtier.policies.slot_expert import make_expert
 from kvtier.policies.slotmap import LogitCache, SlotMap, grown_size
 
 _I64 = np.int64
+# re-touch columns on by default (round 10, docs/learned.md): the block's age since its first access, and
+# first touch x log(distinct blocks seen), a raw linear term that carries the drift of first-touch reuse
+# past the horizon the labels lag by; log_gap2_s stays optional
+DEFAULT_EXTRA_FEATURES: tuple[str, ...] = ("log_life_s", "first_log_seen")
 DEFAULT_EXPERTS = ("arc",)  # classic policies shadowed at full size as experts next to the learned planner
 _REKEY_CHUNK = 16384  # rows per model call when re-keying every resident block after a refit
 _LEAD_BIAS = 3.0  # log-odds added to the real cache's key of a block the followed expert holds
@@ -69,8 +84,15 @@ class LearnedPolicy(Policy):
         event_buffer: int = 1 << 18,
         lead_bias: float = _LEAD_BIAS,
         home_z: float | None = None,
+        extra_features: tuple[str, ...] = DEFAULT_EXTRA_FEATURES,
     ) -> None:
         super().__init__(capacity_blocks, seed=seed)
+        unknown = [f for f in extra_features if f not in EXTRA_FEATURES]
+        if unknown:
+            raise ValueError(f"learned: unknown extra features {unknown} (known: {EXTRA_FEATURES})")
+        # optional re-touch columns, appended after the base features in EXTRA_FEATURES order
+        self._extra = tuple(f for f in EXTRA_FEATURES if f in extra_features)
+        self.feature_names = FEATURE_NAMES + self._extra
         self.horizon_ms = horizon_s * 1000.0
         self.retrain_every = retrain_every
         self.max_train = max_train
@@ -86,7 +108,9 @@ class LearnedPolicy(Policy):
         self.fallback_tau_s = 60.0
         self.tau_s = self.fallback_tau_s
         self._train_rng = np.random.default_rng(seed + 1)
-        self.model = BinnedLogit(seed=seed, linear_cols=(FEATURE_NAMES.index("log_freq"),))
+        raw = tuple(self.feature_names.index(f) for f in self._extra if f in RAW_ONLY_FEATURES)
+        lin = (FEATURE_NAMES.index("log_freq"), *raw)
+        self.model = BinnedLogit(seed=seed, linear_cols=lin, raw_only=raw)
         # block state, indexed by dense slot (block id -> slot: a compact numpy hash map)
         cap0 = 1024
         self._slot = SlotMap(cap0)
@@ -99,9 +123,12 @@ class LearnedPolicy(Policy):
         self._children = np.zeros(cap0, dtype=np.int32)  # <= number of slots
         self._freq = np.zeros(cap0, dtype=_I64)
         self._last_ms = np.zeros(cap0, dtype=np.float64)
+        self._first_ms = np.zeros(cap0, dtype=np.float64)  # first access (for the extra features)
+        self._prev_ms = np.zeros(cap0, dtype=np.float64)  # the access before the last one
         self._turn = np.zeros(cap0, dtype=_I64)
         self._last_event = np.full(cap0, -1, dtype=_I64)
         self._n_slots = 0
+        self._seen_before = 0
         # experts, each a full-size shadow cache over the same stream: 0 is the learned planner on its own,
         # then the classic policies named in ``experts``. The real cache follows the best recent one.
         self._keyed = [KeyedPlanner(capacity_blocks, m, cap0) for m in learned_mults]
@@ -135,7 +162,8 @@ class LearnedPolicy(Policy):
         self._n_evict_age = 0
         # ring of past accesses (features + outcome) for training and self-evaluation
         self._E = event_buffer
-        self._ev_x = FeatureRing(self._E)  # reads as float32 features (int16 for the small-int columns)
+        # reads as float32 features (int16 for the small-int columns)
+        self._ev_x = FeatureRing(self._E, len(self.feature_names))
         self._ev_t = np.zeros(self._E, dtype=np.float64)
         self._ev_y = np.zeros(self._E, dtype=bool)
         self._ev_gap = np.zeros(self._E, dtype=np.float64)
@@ -169,6 +197,8 @@ class LearnedPolicy(Policy):
             ("_children", 0),
             ("_freq", 0),
             ("_last_ms", 0.0),
+            ("_first_ms", 0.0),
+            ("_prev_ms", 0.0),
             ("_turn", 0),
             ("_last_event", -1),
         ):
@@ -267,6 +297,7 @@ class LearnedPolicy(Policy):
         if n == 0:
             self._maybe_retrain(now)
             return np.zeros(0, dtype=bool)
+        self._seen_before = self._n_slots  # distinct blocks seen before this request
         slots = self._slots_for(ids)
         freq = self._freq[slots]
         new = freq == 0
@@ -288,6 +319,8 @@ class LearnedPolicy(Policy):
             last_ms=self._last_ms[slots],
             children=self._children[slots],
         )
+        if self._extra:
+            x = self._with_extras(x, slots, freq, now)
         z = self.model.predict_logit(x) if self.model.trained else fallback_logit(x)
         self._record_events(slots, x, z, now)
         if self._k_c is not None:  # P(reuse) is asked for (the controller's tick): memoise the fresh
@@ -342,6 +375,9 @@ class LearnedPolicy(Policy):
             k = self._evict_age.shape[0]
             self._evict_age[(self._n_evict_age + np.arange(es.size)) % k] = now - self._last_ms[es]
             self._n_evict_age += es.size
+        if self._extra:
+            self._first_ms[slots[new]] = now
+            self._prev_ms[slots] = self._last_ms[slots]
         self._last_ms[slots] = now
         self._n_buf += 1
         self._since_check += 1
@@ -354,6 +390,27 @@ class LearnedPolicy(Policy):
                 self._maybe_alias()
         self._maybe_retrain(now)
         return hit
+
+    def _with_extras(
+        self,
+        x: npt.NDArray[np.float64],
+        slots: npt.NDArray[np.int64],
+        freq: npt.NDArray[np.int64],
+        now: float,
+    ) -> npt.NDArray[np.float64]:
+        """``x`` with the selected :data:`EXTRA_FEATURES` columns appended (state before this request)."""
+        cols = []
+        for name in self._extra:
+            if name == "log_life_s":
+                c = np.log1p(np.maximum(now - self._first_ms[slots], 0.0) / 1000.0)
+                c[freq == 0] = -1.0
+            elif name == "first_log_seen":
+                c = (freq == 0) * np.log1p(self._seen_before / 1000.0)
+            else:  # "log_gap2_s"
+                c = np.log1p(np.maximum(now - self._prev_ms[slots], 0.0) / 1000.0)
+                c[freq < 2] = -1.0
+            cols.append(c)
+        return np.column_stack([x, *cols])
 
     def _fold_expert_stats(self) -> None:
         """Fold the buffered per-request expert tokens into the decayed paired statistics (exactly the
@@ -746,7 +803,7 @@ class LearnedPolicy(Policy):
         if e >= 0 and e > self._n_events - self._E:
             pos = e % self._E
             x = self._ev_x[pos].astype(np.float64)
-            out["features"] = dict(zip(FEATURE_NAMES, x.tolist(), strict=True))
+            out["features"] = dict(zip(self.feature_names, x.tolist(), strict=True))
             zz = self.model.predict_logit(x[None, :]) if self.model.trained else fallback_logit(x[None, :])
             out["reuse_probability_at_access"] = float(sigmoid(zz)[0])
         return out

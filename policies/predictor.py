@@ -30,9 +30,16 @@ class BinnedLogit:
     """
 
     def __init__(
-        self, *, n_bins: int = 12, c: float = 1.0, seed: int = 0, linear_cols: tuple[int, ...] = ()
+        self,
+        *,
+        n_bins: int = 12,
+        c: float = 1.0,
+        seed: int = 0,
+        linear_cols: tuple[int, ...] = (),
+        raw_only: tuple[int, ...] = (),
     ) -> None:
         self.linear_cols = list(linear_cols)
+        self.raw_only = frozenset(raw_only)  # columns that get a single bin (they should be in linear_cols)
         self.lin_w: FloatArray = np.zeros(len(linear_cols))
         self.n_bins = n_bins
         self.rebin_every = 5  # recompute bin edges on every 5th fit; warm-start the others
@@ -96,6 +103,9 @@ class BinnedLogit:
         qs = np.linspace(0.0, 1.0, self.n_bins + 1)[1:-1]
         self.edges = []
         for f in range(x.shape[1]):
+            if f in self.raw_only:
+                self.edges.append(np.zeros(0))
+                continue
             u = np.unique(x[:, f])
             if u.size <= 2 * self.n_bins:  # few distinct values: one bin per value
                 self.edges.append((u[:-1] + u[1:]) / 2.0)
