@@ -71,24 +71,40 @@ class DecisionRing:
         return None if c < 0 else self._strs[c]
 
     def extend(self, ds: Iterable[Decision]) -> None:
-        c, pos = self._c, self._pos
-        for d in ds:
-            i = self._next
-            if self._n == self.max_len:
-                old = int(c["id"][i])
-                if pos.get(old) == i:
-                    del pos[old]
-            else:
-                self._n += 1
-            self._next = (i + 1) % self.max_len
-            pos[d.id] = i
-            c["id"][i], c["tick"][i], c["at"][i], c["block"][i] = d.id, d.tick, d.at_s, d.block
-            c["value"][i], c["p"][i], c["pinned"][i] = d.value_s, d.p_reuse, d.pinned
-            c["tokens"][i], c["freq0"][i] = d.tokens, d.freq0
-            self._put_score(i, d)
-            for name in _CODED:
-                c[name][i] = self._enc(getattr(d, name))
-            self._detail[i] = d.detail
+        """Append ``ds`` in order (one column write each; the oldest are overwritten when full)."""
+        ds = list(ds)[-self.max_len :]
+        k = len(ds)
+        if k == 0:
+            return
+        size, c, pos_of = self.max_len, self._c, self._pos
+        pos = (self._next + np.arange(k, dtype=np.int64)) % size
+        first_old = size - self._n  # ds[j] overwrites an entry iff j >= first_old
+        if first_old < k:
+            for old, p in zip(c["id"][pos[first_old:]].tolist(), pos[first_old:].tolist(), strict=True):
+                if pos_of.get(old) == p:
+                    del pos_of[old]
+        self._n = min(size, self._n + k)
+        self._next = int(pos[-1] + 1) % size
+        ids = [d.id for d in ds]
+        pos_of.update(zip(ids, pos.tolist(), strict=True))
+        c["id"][pos] = ids
+        c["tick"][pos] = [d.tick for d in ds]
+        c["at"][pos] = [d.at_s for d in ds]
+        c["block"][pos] = [d.block for d in ds]
+        c["value"][pos] = [d.value_s for d in ds]
+        c["p"][pos] = [d.p_reuse for d in ds]
+        c["pinned"][pos] = [d.pinned for d in ds]
+        c["tokens"][pos] = [d.tokens for d in ds]
+        c["freq0"][pos] = [d.freq0 for d in ds]
+        c["back"][pos] = [-1 if d.came_back is None else int(d.came_back) for d in ds]
+        c["score"][pos] = [math.nan if d.score is None else d.score for d in ds]
+        c["scored_at"][pos] = [math.nan if d.scored_at_s is None else d.scored_at_s for d in ds]
+        enc = self._enc
+        for name in _CODED:
+            c[name][pos] = [enc(getattr(d, name)) for d in ds]
+        detail = self._detail
+        for p, d in zip(pos.tolist(), ds, strict=True):
+            detail[p] = d.detail
 
     def _put_score(self, i: int, d: Decision) -> None:
         c = self._c
