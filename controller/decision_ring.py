@@ -36,6 +36,39 @@ _NUM: tuple[tuple[str, Any], ...] = (
 _CODED = ("action", "src", "tier", "layer", "outcome")  # str | None -> int16 code (-1: None)
 
 
+class StringCodes:
+    """Repeated strings as small int codes (None: -1), first seen first."""
+
+    def __init__(self) -> None:
+        self._strs: list[str] = []
+        self._code: dict[str, int] = {}
+
+    def code(self, s: str | None) -> int:
+        if s is None:
+            return -1
+        c = self._code.get(s)
+        if c is None:
+            c = self._code[s] = len(self._strs)
+            self._strs.append(s)
+        return c
+
+    def known(self, s: str) -> int | None:
+        """The code of ``s`` if it was ever coded, else None."""
+        return self._code.get(s)
+
+    def name(self, c: int) -> str | None:
+        return None if c < 0 else self._strs[c]
+
+
+def _score_fields(d: Decision) -> tuple[int, float, float]:
+    """(came_back as -1 / 0 / 1, score, scored_at_s), None as -1 / NaN."""
+    return (
+        -1 if d.came_back is None else int(d.came_back),
+        math.nan if d.score is None else d.score,
+        math.nan if d.scored_at_s is None else d.scored_at_s,
+    )
+
+
 class DecisionRing:
     """The newest ``max_len`` decisions, oldest overwritten first. Not thread-safe (the log locks)."""
 
@@ -49,26 +82,13 @@ class DecisionRing:
         for c in _CODED:
             self._c[c] = np.full(max_len, -1, np.int16)
         self._detail: list[str] = [""] * max_len
-        self._strs: list[str] = []
-        self._code: dict[str, int] = {}
+        self.codes = StringCodes()  # action / tiers / layer / outcome
         self._pos: dict[int, int] = {}  # id -> position (ints only: untracked by the GC)
         self._next = 0  # position of the next write
         self._n = 0
 
     def __len__(self) -> int:
         return self._n
-
-    def _enc(self, s: str | None) -> int:
-        if s is None:
-            return -1
-        c = self._code.get(s)
-        if c is None:
-            c = self._code[s] = len(self._strs)
-            self._strs.append(s)
-        return c
-
-    def _dec(self, c: int) -> str | None:
-        return None if c < 0 else self._strs[c]
 
     def extend(self, ds: Iterable[Decision]) -> None:
         """Append ``ds`` in order (one column write each; the oldest are overwritten when full)."""
@@ -96,34 +116,27 @@ class DecisionRing:
         c["pinned"][pos] = [d.pinned for d in ds]
         c["tokens"][pos] = [d.tokens for d in ds]
         c["freq0"][pos] = [d.freq0 for d in ds]
-        c["back"][pos] = [-1 if d.came_back is None else int(d.came_back) for d in ds]
-        c["score"][pos] = [math.nan if d.score is None else d.score for d in ds]
-        c["scored_at"][pos] = [math.nan if d.scored_at_s is None else d.scored_at_s for d in ds]
-        enc = self._enc
+        c["back"][pos], c["score"][pos], c["scored_at"][pos] = zip(*map(_score_fields, ds), strict=True)
+        enc = self.codes.code
         for name in _CODED:
             c[name][pos] = [enc(getattr(d, name)) for d in ds]
         detail = self._detail
         for p, d in zip(pos.tolist(), ds, strict=True):
             detail[p] = d.detail
 
-    def _put_score(self, i: int, d: Decision) -> None:
-        c = self._c
-        c["back"][i] = -1 if d.came_back is None else int(d.came_back)
-        c["score"][i] = math.nan if d.score is None else d.score
-        c["scored_at"][i] = math.nan if d.scored_at_s is None else d.scored_at_s
-
     def update_scores(self, ds: Iterable[Decision]) -> None:
         """Write the scores of those of ``ds`` still in the ring."""
         for d in ds:
             i = self._pos.get(d.id)
             if i is not None:
-                self._put_score(i, d)
+                c = self._c
+                c["back"][i], c["score"][i], c["scored_at"][i] = _score_fields(d)
 
     def get(self, i: int) -> Decision:
         """The decision at position ``i``, as a new object."""
         c = self._c
         back, sc, sat = int(c["back"][i]), float(c["score"][i]), float(c["scored_at"][i])
-        dec = self._dec
+        dec = self.codes.name
         return self._make(
             id=int(c["id"][i]),
             tick=int(c["tick"][i]),
@@ -169,7 +182,7 @@ class DecisionRing:
         c = self._c
         for name, want in (("action", action), ("tier", tier), ("outcome", outcome)):
             if want is not None:
-                code = self._code.get(want)
+                code = self.codes.known(want)
                 if code is None:
                     return []
                 keep &= c[name][order] == code

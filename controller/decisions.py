@@ -104,12 +104,10 @@ class DecisionLog:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self._ring = DecisionRing(max_len, Decision)
-        self.max_len = max_len
         self._lock = threading.Lock()
         self._next = 1
         self.max_pending = max_pending
-        self._acts: list[str] = []  # action code -> name
-        self._act_code: dict[str, int] = {}
+        self._codes = self._ring.codes  # the pending "act" column uses the ring's string codes
         self._cap = 0
         self._lo = self._hi = 0  # pending rows are [lo, hi) of the columns, oldest first
         self._p: dict[str, npt.NDArray[Any]] = {c: np.zeros(0, t) for c, t in self._COLS}
@@ -131,17 +129,13 @@ class DecisionLog:
                 self._p[c] = arr
             self._cap, self._lo, self._hi = cap, 0, n
         lo, hi = self._hi, self._hi + k
-        codes = self._act_code
-        for name in {d.action for d in ds} - codes.keys():
-            codes[name] = len(self._acts)
-            self._acts.append(name)
         p = self._p
         p["id"][lo:hi] = [d.id for d in ds]
         p["at"][lo:hi] = [d.at_s for d in ds]
         p["block"][lo:hi] = [d.block for d in ds]
         p["freq0"][lo:hi] = [d.freq0 for d in ds]
         p["tokens"][lo:hi] = [d.tokens for d in ds]
-        p["act"][lo:hi] = [codes[d.action] for d in ds]
+        p["act"][lo:hi] = [self._codes.code(d.action) for d in ds]
         self._hi = hi
         self._bound_pending()
 
@@ -162,7 +156,7 @@ class DecisionLog:
     def _materialize(self, rows: npt.NDArray[np.int64]) -> list[Decision]:
         """Pending rows as bare decisions with what scoring needs (id, time, block, action, freq0, tokens);
         :meth:`mark_scored` writes their scores into the ring for those still shown there."""
-        p, acts = self._p, self._acts
+        p, name = self._p, self._codes.name
         out: list[Decision] = []
         for i, at, b, f0, tok, a in zip(
             p["id"][rows].tolist(),
@@ -173,7 +167,8 @@ class DecisionLog:
             p["act"][rows].tolist(),
             strict=True,
         ):
-            out.append(Decision(i, -1, at, acts[a], b, None, None, 0.0, 0.0, False, "", tokens=tok, freq0=f0))
+            act = name(a) or ""
+            out.append(Decision(i, -1, at, act, b, None, None, 0.0, 0.0, False, "", tokens=tok, freq0=f0))
         return out
 
     def new_id(self) -> int:

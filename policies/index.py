@@ -50,11 +50,12 @@ class SlotLog:
         self._ring = np.zeros(size, np.int64)
         self._held = 0  # entries in the ring (<= size)
         self._pend: list[int] = []  # added, not yet in the ring (their versions end at self.version)
+        self._batch = min(self._BATCH, size)  # a flush never wraps the ring onto itself
 
     def add(self, s: int) -> None:
         self.version += 1
         self._pend.append(s)
-        if len(self._pend) >= self._BATCH:
+        if len(self._pend) >= self._batch:
             self._flush()
 
     def _write(self, slots: npt.NDArray[np.int64], first_version: int) -> None:
