@@ -135,16 +135,20 @@ class Prometheus:
     def rules(self) -> list[dict[str, Any]]:
         return [r for g in self.api("rules")["groups"] for r in g["rules"]]
 
-    def wait_scraped(self, jobs: set[str], samples: int = 2, timeout_s: float = 60.0) -> None:
-        """Poll until every job's targets are up and have at least ``samples`` successful scrapes stored.
+    def wait_scraped(
+        self, jobs: set[str], samples: int = 2, timeout_s: float = 60.0, window: str = "5m"
+    ) -> None:
+        """Poll until every job's targets are up and have at least ``samples`` successful scrapes stored
+        within the last ``window`` (a PromQL duration).
 
         Counts ``up == 1`` samples (a timed-out scrape stores ``up 0`` and no series), so rate() over the
-        window has real points even on a loaded machine.
+        window has real points even on a loaded machine. Pass the window the queries use: successful
+        scrapes spread over 5 m do not put two points into a ``[1m]`` rate.
         """
 
         def ok() -> bool:
             for job in jobs:
-                res = self.query(f'sum_over_time(up{{job="{job}"}}[5m])')
+                res = self.query(f'sum_over_time(up{{job="{job}"}}[{window}])')
                 ups = self.query(f'up{{job="{job}"}} == 1')
                 if len(ups) < len(self.jobs[job]) or any(float(r["value"][1]) < samples for r in res):
                     return False

@@ -35,7 +35,14 @@ def test_kvtier_panel_queries_return_series_when_the_contract_is_met() -> None:
     queries = [q for q in lint.queries(lint.load()) if q.sources == {"kvtier"}]
     assert len(queries) > 30
     with serving() as port, promlib.running({"kvtier": [f"127.0.0.1:{port}"]}) as prom:
-        prom.wait_scraped({"kvtier"}, samples=4)
+        # every rate() below reads a [1m] window: wait for successful scrapes inside that window (on a
+        # loaded machine timed-out scrapes spread them out, and a rate needs two points in its window)
+        prom.wait_scraped({"kvtier"}, samples=4, window="1m", timeout_s=120)
+        # and for every series of the contract itself to hold two points there: the stand-in creates its
+        # labelled children in its first step, which a loaded machine can delay past the first scrapes
+        for s in contract():
+            name = f"{s.name}_count" if s.kind == "histogram" else s.name
+            prom.wait_until(f"min(count_over_time({name}[1m]))", lambda v: v >= 2, timeout_s=120)
         at = time.time()
         bad = []
         for q in queries:
