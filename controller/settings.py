@@ -1,7 +1,8 @@
 """Sidecar settings: CLI flags > ``KVTIER_*`` environment variables > config file (JSON or TOML) > defaults.
 
 List values in the environment are JSON (``KVTIER_ENGINE_URLS='["http://127.0.0.1:8000"]'``) or
-comma-separated (``KVTIER_ENGINE_URLS=http://a:8000,http://b:8000``).
+comma-separated (``KVTIER_ENGINE_URLS=http://a:8000,http://b:8000``). ``KVTIER_TIER_PATHS`` is a JSON object
+(``'{"disk": "/mnt/kv-l2"}'``) or ``tier=path[,tier=path]`` (``disk=/mnt/kv-l2,remote=/mnt/nvmeof0``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,32 @@ def _split(v: Any) -> Any:
     return v
 
 
+def _tier_paths(v: Any) -> Any:
+    """``KVTIER_TIER_PATHS``: a JSON object or ``tier=path[,tier=path]`` -> dict (dicts pass through)."""
+    if not isinstance(v, str):
+        return v
+    s = v.strip()
+    if s.startswith("{"):
+        try:
+            out = json.loads(s)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"tier_paths: invalid JSON object {s!r}: {exc}") from exc
+        if not isinstance(out, dict):
+            raise ValueError(f"tier_paths: expected a JSON object, got {s!r}")
+        return out
+    pairs: dict[str, str] = {}
+    for item in (x.strip() for x in s.split(",")):
+        if not item:
+            continue
+        tier, eq, path = (x.strip() for x in item.partition("="))
+        if not eq or not tier or not path:
+            raise ValueError(f"tier_paths: expected tier=path[,tier=path] or a JSON object, got {s!r}")
+        if tier in pairs:
+            raise ValueError(f"tier_paths: tier {tier!r} given twice in {s!r}")
+        pairs[tier] = path
+    return pairs
+
+
 class Settings(BaseSettings):
     """Everything ``kvtier serve`` needs. Intervals in seconds."""
 
@@ -41,7 +68,8 @@ class Settings(BaseSettings):
     storage_enabled: bool = True
     storage_root: str = "/"  # prefix for /proc and /sys (tests use canned trees)
     storage_devices: Annotated[list[str] | None, NoDecode] = None  # None: all but loop/ram
-    tier_paths: dict[str, str] = Field(default_factory=dict)  # tier -> path, capacity is reported
+    # tier -> path, capacity is reported; env: JSON object or tier=path[,tier=path]
+    tier_paths: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
     log_level: str = "INFO"
     # -- control plane (issue 4) --
     mode: Literal["off", "shadow", "active"] | None = None  # None: persisted policy's (default shadow)
@@ -63,6 +91,11 @@ class Settings(BaseSettings):
     @classmethod
     def _lists(cls, v: Any) -> Any:
         return _split(v)
+
+    @field_validator("tier_paths", mode="before")
+    @classmethod
+    def _tiers(cls, v: Any) -> Any:
+        return _tier_paths(v)
 
     @field_validator("engine_urls", "lmcache_urls", "mooncake_urls")
     @classmethod

@@ -36,6 +36,36 @@ def test_settings_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         load_settings(bad)
 
 
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [
+        ("disk=/mnt/kv-l2", {"disk": "/mnt/kv-l2"}),  # docker-compose.yml's form
+        (" disk=/a , remote=/b=c,", {"disk": "/a", "remote": "/b=c"}),
+        ('{"disk": "/mnt/kv-l2"}', {"disk": "/mnt/kv-l2"}),
+        ("", {}),
+    ],
+)
+def test_tier_paths_env_forms(monkeypatch: pytest.MonkeyPatch, env: str, want: dict[str, str]) -> None:
+    monkeypatch.setenv("KVTIER_TIER_PATHS", env)
+    assert load_settings().tier_paths == want
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ("disk", "tier=path"),
+        ("=/a", "tier=path"),
+        ("{disk", "invalid JSON"),
+        ('["/a"]', "tier=path"),
+        ("a=/x,a=/y", "given twice"),
+    ],  # fmt: skip
+)
+def test_tier_paths_env_errors(monkeypatch: pytest.MonkeyPatch, env: str, match: str) -> None:
+    monkeypatch.setenv("KVTIER_TIER_PATHS", env)
+    with pytest.raises(ValueError, match=match):
+        load_settings()
+
+
 def _serve(*args: str) -> subprocess.Popen[bytes]:
     env = dict(os.environ, KVTIER_SCRAPE_INTERVAL_S="0.3", KVTIER_DISCOVERY_INTERVAL_S="0.3",
                KVTIER_STORAGE_INTERVAL_S="0.3")  # fmt: skip
