@@ -1,16 +1,29 @@
 """``docker-compose.yml`` validated by the REAL compose client (``docker compose`` plugin, else Debian's
-``docker-compose``; no Docker engine is needed for ``config``), plus the files it mounts and builds from."""
+``docker-compose``; no Docker engine is needed for ``config``), plus the files it mounts and builds from, and
+the kvtier services' flags and ``KVTIER_*`` environment checked against the real CLI and ``Settings``."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+import typer
 import yaml
+from typer.core import TyperGroup
+
+from kvtier.controller import demo as demo_cli
+from kvtier.controller import serve as serve_cli
+from kvtier.controller.settings import Settings, load_settings
+from tests.peers.procs import free_port, start, stop, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 PROFILES = {
@@ -135,3 +148,100 @@ def test_a_broken_compose_file_is_rejected(tmp_path: Path) -> None:
         check=False,
     )
     assert r.returncode != 0
+
+
+def kvtier_services() -> dict[str, dict[str, Any]]:
+    """Every service of every profile that runs the kvtier image (built from the repo's ``Dockerfile``)."""
+    doc = rendered(*(a for p in sorted(PROFILES) for a in ("--profile", p)))
+    out = {n: s for n, s in doc["services"].items() if str(s.get("image", "")).startswith("kvtier:")}
+    assert set(out) == {"kvtier", "kvtier-demo"}, sorted(out)
+    return out
+
+
+def dockerfile() -> tuple[dict[str, str], list[str]]:
+    """The kvtier ``Dockerfile``'s ``KVTIER_*`` ``ENV`` values and its ``CMD``."""
+    text = (REPO / "Dockerfile").read_text().replace("\\\n", " ")
+    env = {}
+    for line in re.findall(r"^ENV (.*)$", text, re.M):
+        env.update(dict(re.findall(r"(KVTIER_\w+)=(\S+)", line)))
+    cmd = json.loads(re.findall(r"^CMD (.*)$", text, re.M)[-1])
+    return env, cmd
+
+
+def cli_group() -> TyperGroup:
+    """The real ``kvtier serve`` / ``kvtier demo`` commands (a fresh Typer app: kvtier.cli registers once)."""
+    app = typer.Typer()
+    serve_cli.register(app)
+    demo_cli.register(app)
+    group = typer.main.get_command(app)
+    assert isinstance(group, TyperGroup)
+    return group
+
+
+def kvtier_env(svc: dict[str, Any]) -> dict[str, str]:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(str(x).split("=", 1) for x in env)
+    return {k: str(v) for k, v in env.items() if k.startswith("KVTIER_")}
+
+
+def test_every_kvtier_env_var_loads_into_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each ``KVTIER_*`` value of each kvtier service (and the image's ``ENV``) is a real Settings field and
+    parses; ``Settings`` ignores unknown keys, so a misspelt name would otherwise pass silently."""
+    image_env, _ = dockerfile()
+    cases = {"Dockerfile": image_env} | {n: image_env | kvtier_env(s) for n, s in kvtier_services().items()}
+    assert cases["kvtier"], "the kvtier service sets no KVTIER_* variable?"
+    for where, env in cases.items():
+        for k in [k for k in os.environ if k.startswith("KVTIER_")]:
+            monkeypatch.delenv(k)
+        for k, v in env.items():
+            assert k.removeprefix("KVTIER_").lower() in Settings.model_fields, f"{where}: {k} is no setting"
+            monkeypatch.setenv(k, v)
+        s = load_settings()
+        assert s.state_dir == "/var/lib/kvtier", where
+        if where == "kvtier":
+            assert s.tier_paths == {"disk": "/mnt/kv-l2"}
+
+
+def test_kvtier_commands_parse_with_the_real_cli() -> None:
+    """Each kvtier service's command (and the image's default CMD) parses with ``kvtier``'s own options."""
+    group = cli_group()
+    _, image_cmd = dockerfile()
+    commands = {"Dockerfile CMD": image_cmd} | {n: s["command"] for n, s in kvtier_services().items()}
+    for where, cmd in commands.items():
+        sub, *args = cmd
+        assert sub in group.commands, f"{where}: no `kvtier {sub}`"
+        try:
+            ctx = group.commands[sub].make_context(sub, list(args))
+        except Exception as exc:  # typer's vendored click: UsageError, BadParameter, ...
+            pytest.fail(f"{where}: `kvtier {' '.join(cmd)}`: {exc}")
+        assert ctx.params["listen"] == "0.0.0.0:8787", where
+    serve = kvtier_services()["kvtier"]["command"]
+    params = group.commands["serve"].make_context("serve", serve[1:]).params
+    s = Settings(mode=params["mode"], actuators=params["actuator"], engine_urls=params["engine_url"],
+                 lmcache_urls=params["lmcache_url"], listen=params["listen"])  # fmt: skip
+    assert s.mode == "shadow" and s.actuators == ["lmcache-mp"]
+    assert s.engine_urls == ["http://vllm:8000"] and s.lmcache_urls == ["http://lmcache:8080"]
+
+
+def test_compose_kvtier_serve_starts() -> None:
+    """``kvtier serve`` with the compose service's flags and KVTIER_* env (peers unreachable here; only the
+    address and state dir changed) comes up and answers /healthz."""
+    svc = kvtier_services()["kvtier"]
+    port = free_port()
+    wd = Path(tempfile.mkdtemp(prefix="kvtier-compose-"))
+    args = [a if not a.startswith("--listen=") else f"--listen=127.0.0.1:{port}" for a in svc["command"]]
+    env = kvtier_env(svc) | {"KVTIER_STATE_DIR": str(wd / "state")}
+    proc = start([sys.executable, "-m", "kvtier", *args], wd / "kvtier.log", env=env)
+    try:
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200, 120,
+                 "kvtier serve with the compose settings", proc=proc, log=wd / "kvtier.log")  # fmt: skip
+    finally:
+        stop(proc)
+        shutil.rmtree(wd, ignore_errors=True)
+
+
+def test_demo_keeps_serving_after_the_trace() -> None:
+    """The demo exits at the trace's end: compose starts it again (else KvtierSidecarDown, empty boards)."""
+    for name, svc in kvtier_services().items():
+        assert svc.get("restart") in ("always", "unless-stopped"), name
