@@ -25,6 +25,14 @@ _VAR = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
 _METRIC = re.compile(r"(?<![\w:])(vllm:[A-Za-z0-9_:]+|lmcache_mp_[A-Za-z0-9_]+|kvtier_[A-Za-z0-9_]+)")
 _LABEL_VALUES = re.compile(r"^\s*label_values\((?:(.*),\s*)?(\w+)\)\s*$", re.S)
 
+# Template variables each board must offer (datasource, engine, model, tier where its queries can use them;
+# the controller's engine is kvtier's ``engine`` label, ``$kv_engine``, not vLLM's DP rank).
+REQUIRED_VARIABLES: dict[str, set[str]] = {
+    "kvtier-overview.json": {"datasource", "model", "engine"},
+    "kvtier-tiers.json": {"datasource", "model", "engine", "tier"},
+    "kvtier-controller.json": {"datasource", "kv_engine", "tier"},
+}
+
 # Which scrape job a metric name comes from (prefix -> source).
 SOURCES = {"vllm:": "vllm", "lmcache_mp_": "lmcache", "kvtier_": "kvtier"}
 
@@ -149,7 +157,8 @@ def _ds_refs(node: Any, where: str) -> Iterator[tuple[str, Any]]:
 
 def lint(dashboards: Mapping[str, dict[str, Any]], datasource_uids: set[str] | None = None) -> list[str]:
     """Problems: missing uid/title/schemaVersion, duplicate uids or panel ids, panels without queries,
-    empty expressions, unresolvable datasource references, undefined variables. Empty list = clean."""
+    empty expressions, unresolvable datasource references, undefined variables, missing required
+    (:data:`REQUIRED_VARIABLES`) or unused query variables. Empty list = clean."""
     uids_ok = {"-- Grafana --"} | (
         datasource_uids if datasource_uids is not None else provisioned_datasource_uids()
     )
@@ -191,11 +200,19 @@ def lint(dashboards: Mapping[str, dict[str, Any]], datasource_uids: set[str] | N
                     problems.append(f"{where}: datasource variable ${var} is not a datasource variable")
             elif uid_ref not in uids_ok:
                 problems.append(f"{where}: datasource uid {uid_ref!r} is not provisioned ({sorted(uids_ok)})")
+        used: set[str] = set()
         for q in queries({name: d}):
             for m in _VAR.finditer(q.expr):
                 var = m.group(1) or m.group(2)
+                if not q.is_variable:
+                    used.add(var)
                 if var not in variables and var not in DEFAULT_VARS:
                     problems.append(f"{q}: uses undefined variable ${var}")
+        for var in sorted(REQUIRED_VARIABLES.get(name, set()) - set(variables)):
+            problems.append(f"{name}: no template variable ${var}")
+        for var, v in variables.items():
+            if v.get("type") == "query" and var not in used:
+                problems.append(f"{name}: template variable ${var} is used by no panel query")
     return problems
 
 

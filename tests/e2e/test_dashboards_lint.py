@@ -61,6 +61,34 @@ def test_lint_catches_broken_dashboards() -> None:
             tmp.unlink()
 
 
+def test_template_variables() -> None:
+    """datasource, engine, model, tier where they apply: the overview filters vLLM's metrics by model and
+    engine, the tiers board adds tier, the controller board filters by the engine kvtier watches + tier."""
+    want = {
+        "kvtier-overview.json": {"datasource": "datasource", "model": "query", "engine": "query"},
+        "kvtier-tiers.json": {
+            "datasource": "datasource",
+            "model": "query",
+            "engine": "query",
+            "tier": "query",
+        },
+        "kvtier-controller.json": {"datasource": "datasource", "kv_engine": "query", "tier": "query"},
+    }
+    boards = lint.load()
+    for name, variables in want.items():
+        got = {v["name"]: v["type"] for v in boards[name]["templating"]["list"]}
+        assert got == variables, name
+        assert variables.keys() == lint.REQUIRED_VARIABLES[name], name
+    # the lint says when one is missing or unused
+    bad = copy.deepcopy(boards)
+    tv = bad["kvtier-tiers.json"]["templating"]["list"]
+    tv[:] = [v for v in tv if v["name"] != "tier"]
+    bad["kvtier-overview.json"]["templating"]["list"].append({"name": "tier", "type": "query", "query": "x"})
+    text = "\n".join(lint.lint(bad))
+    assert "kvtier-tiers.json: no template variable $tier" in text, text
+    assert "kvtier-overview.json: template variable $tier is used by no panel query" in text, text
+
+
 def test_panel_ids_unique_and_every_panel_has_a_query() -> None:
     for name, d in lint.load().items():
         ids = [p["id"] for p in d["panels"]]
