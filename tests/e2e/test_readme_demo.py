@@ -1,5 +1,6 @@
 """The README's first command on a fresh venv: ``python3 -m venv .venv && .venv/bin/pip install . &&
-.venv/bin/kvtier demo`` (no extras, no vLLM), bounded with ``--duration 20``; the final comparison must print.
+.venv/bin/kvtier demo`` (no extras, no vLLM), bounded with ``--duration 30``; its live progress (with no
+terminal: a ``progress:`` line every 5 s) must advance, and the final comparison must print.
 
 Uses pip's configured index (the same one CI installs from). Run: ``pytest tests/e2e/test_readme_demo.py -s``.
 """
@@ -7,6 +8,7 @@ Uses pip's configured index (the same one CI installs from). Run: ``pytest tests
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +22,25 @@ from tests.peers.procs import free_port
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
+# controller/demo.py's line when stdout is not a terminal (a rich progress bar when it is)
+PROGRESS = re.compile(
+    r"^progress: (\d+)/(\d+) requests \| trace +(-?\d+) s \| prefix hit LRU [\d.]+% learned [\d.]+% \| "
+    r"TTFT p50 \d+/\d+ ms \| ticks (\d+) decisions (\d+)$",
+    re.M,
+)
+
+
+def check_progress(out: str) -> list[tuple[int, int]]:
+    """The demo's ``progress:`` lines: several, each a step further -> [(requests served, trace s), ...]."""
+    lines = [(int(m[1]), int(m[3])) for m in PROGRESS.finditer(out)]
+    assert len(lines) >= 3, f"expected several progress lines, got {len(lines)}:\n{out[:3000]}"
+    served = [n for n, _ in lines]
+    trace_s = [t for _, t in lines]
+    assert served == sorted(served) and trace_s == sorted(trace_s), lines
+    assert len(set(served)) >= 3 and len(set(trace_s)) >= 3, f"progress does not advance: {lines}"
+    total = {int(m[2]) for m in PROGRESS.finditer(out)}
+    assert len(total) == 1 and served[-1] <= total.pop(), lines
+    return lines
 
 
 def test_readme_first_command_prints_the_comparison() -> None:
@@ -40,7 +61,7 @@ def test_readme_first_command_prints_the_comparison() -> None:
             str(venv / "bin" / "kvtier"),
             "demo",
             "--duration",
-            "20",
+            "30",
             "--listen",
             f"127.0.0.1:{free_port()}",
         ]
@@ -49,6 +70,8 @@ def test_readme_first_command_prints_the_comparison() -> None:
         print(out[-4000:])
         assert run.returncode == 0, run.stderr[-3000:]
         assert "status page: http://127.0.0.1:" in out
+        print(f"progress (served, trace s): {check_progress(out)}")
+        assert out.index("progress:") < out.index("kvtier learned"), "progress after the comparison?"
         assert "cache layer LRU" in out and "kvtier learned" in out
         for row in ("prefix hit from gpu", "prefix hit from cpu", "bytes moved", "TTFT p50", "TTFT p99",
                     "throughput"):  # fmt: skip
