@@ -120,9 +120,11 @@ NVME_PATHS = "sum by (state) (kvtier_storage_nvme_paths)"
 SIDECAR_UP = 'up{job="kvtier"}'
 DECISIONS = rate("kvtier_decisions_total", TIER, "action, tier")
 ACTUATIONS = rate("kvtier_actuations_total", "", "layer, outcome")
+# failed / attempted; a window without attempts (shadow mode: every outcome is "shadow") reads 0, not NaN --
+# the denominator's floor is far below one attempt per window, so real ratios are unchanged
+ATTEMPTS = rate("kvtier_actuations_total", 'outcome=~"applied|failed"', "layer")
 ACTUATION_FAILURE_RATIO = ratio(
-    rate("kvtier_actuations_total", 'outcome="failed"', "layer"),
-    rate("kvtier_actuations_total", 'outcome=~"applied|failed"', "layer"),
+    rate("kvtier_actuations_total", 'outcome="failed"', "layer"), f"clamp_min({ATTEMPTS}, 1e-9)"
 )
 CIRCUIT_OPEN = "max by (layer) (kvtier_actuator_circuit_open)"
 TICK_P50 = f"histogram_quantile(0.5, sum by (le) (rate(kvtier_loop_tick_seconds_bucket[{RI}])))"
