@@ -2,17 +2,20 @@
 through ``LMCacheMPConnector``; after traffic with shared and distinct prefixes, EVERY PromQL expression of
 every dashboard panel (and every template-variable query) is evaluated through Prometheus' HTTP API.
 
-Fails on any expression Prometheus rejects, and on any expression that returns no series although every
-source it reads is scraped. Expressions that need a source not scraped yet are listed as NOT VALIDATED.
-The alert rules are loaded into the same Prometheus and must evaluate without error.
+Fails on any expression Prometheus rejects, and on any expression that returns no series with a value
+(NaN / ±Inf only counts as none: Grafana shows "No data") although every source it reads is scraped.
+Expressions that need a source not scraped yet are listed as NOT VALIDATED. The alert rules are loaded into
+the same Prometheus and must evaluate without error.
 
+The per-query listing (each query, its series count) is printed past pytest's capture, so CI's log shows it
+on success too, and written to ``out/dashboard-queries.txt``.
 The scrape sources are :data:`SCRAPED`: job name -> fixture. Adding the sidecar is one line there.
-Run: ``pytest tests/e2e/test_dashboard_queries.py -s`` (``-s`` shows the per-query table).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 import subprocess
@@ -238,8 +241,8 @@ def drive_traffic(stack: Stack, seed: int = 0) -> int:
 class Result:
     query: lint.Query
     expr: str
-    series: int = 0
-    nan: int = 0
+    series: int = 0  # with a finite value (variables: distinct label values)
+    nan: int = 0  # NaN / ±Inf only: Grafana shows no value for these
     sample: str = ""  # first value, for the report
     error: str = ""
     validated: bool = True
@@ -258,10 +261,11 @@ class Result:
         elif self.pending:
             state = "PENDING" if not self.series else "UNEXPECTED DATA"
         elif not self.series:
-            state = "EMPTY"
+            state = "NaN ONLY" if self.nan else "EMPTY"
         else:
-            state = "ok" + (f" ({self.nan} NaN)" if self.nan else "")
-        return f"{state:<15} {self.series:>3} series  [{src}]  {self.query}  {self.sample}"
+            state = "ok"
+        nan = f" (+{self.nan} NaN)" if self.nan else ""
+        return f"{state:<15} {self.series:>3} series{nan}  [{src}]  {self.query}  {self.sample}"
 
 
 def evaluate(prom: promlib.Prometheus, scraped: set[str], at: float) -> list[Result]:
@@ -277,11 +281,10 @@ def evaluate(prom: promlib.Prometheus, scraped: set[str], at: float) -> list[Res
                 series = [s for s in prom.series(lv[0]) if lv[1] in s]
                 res.series = len({s[lv[1]] for s in series})
             else:
-                vec = prom.query(expr, at=at)
-                res.series = len(vec)
-                res.nan = sum(1 for v in vec if v["value"][1] in ("NaN", "+Inf", "-Inf"))
-                vals = [float(v["value"][1]) for v in vec]
-                res.sample = f"first {vals[0]:.4g}, sum {sum(vals):.4g}" if vals else ""
+                vals = [float(v["value"][1]) for v in prom.query(expr, at=at)]
+                finite = [x for x in vals if math.isfinite(x)]
+                res.series, res.nan = len(finite), len(vals) - len(finite)
+                res.sample = f"first {finite[0]:.4g}, sum {sum(finite):.4g}" if finite else ""
         except promlib.PromQLError as e:
             res.error = str(e)
         out.append(res)
@@ -305,33 +308,40 @@ def traffic(stack: Stack, prometheus: promlib.Prometheus) -> int:
     return sent
 
 
-def test_every_dashboard_query_returns_data(prometheus: promlib.Prometheus, traffic: int) -> None:
+def test_every_dashboard_query_returns_data(
+    prometheus: promlib.Prometheus, traffic: int, capsys: pytest.CaptureFixture[str]
+) -> None:
     scraped = set(SCRAPED)
     results = evaluate(prometheus, scraped, at=time.time())
-
-    print(f"\n== {len(results)} dashboard expressions against Prometheus scraping {sorted(scraped)} ==")
-    for r in results:
-        print(r.line)
+    report = [f"== {len(results)} dashboard expressions against Prometheus scraping {sorted(scraped)} =="]
+    report += [r.line for r in results]
     errors = [r for r in results if r.error]
     empty = [r for r in results if r.validated and not r.error and not r.series and not r.pending]
     pending = [r for r in results if r.validated and r.pending and not r.series]
     landed = [r for r in results if r.validated and r.pending and r.series]
     unscraped = [r for r in results if not r.validated and not r.series]
     ok = len(results) - len(errors) - len(empty) - len(pending) - len(landed) - len(unscraped)
-    print(
-        f"== ok {ok}, errors {len(errors)}, empty {len(empty)}, "
+    report.append(
+        f"== ok {ok}, errors {len(errors)}, empty or NaN only {len(empty)}, "
         f"pending (metric not emitted yet) {len(pending)}, "
         f"pending but now with data {len(landed)}, not validated (source not scraped) {len(unscraped)} =="
     )
     if pending:
-        print(f"== PENDING metrics still missing: {sorted(set().union(*(r.pending for r in pending)))} ==")
-    for r in errors:
-        print(f"ERROR {r.query}: {r.error}\n  {r.expr}")
+        report.append(
+            f"== PENDING metrics still missing: {sorted(set().union(*(r.pending for r in pending)))} =="
+        )
+    report += [f"ERROR {r.query}: {r.error}\n  {r.expr}" for r in errors]
+    report += [f"NO DATA {r.query}:\n  {r.expr}" for r in empty]
+    out = REPO / "out" / "dashboard-queries.txt"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text("\n".join(report) + "\n")
+    with capsys.disabled():  # in CI's log whether the test passes or not
+        print("\n" + "\n".join(report) + f"\n== written to {out.relative_to(REPO)} ==")
     assert not errors, (
         f"{len(errors)} dashboard expressions rejected by Prometheus: {[str(r.query) for r in errors]}"
     )
     assert not empty, (
-        f"{len(empty)} dashboard expressions returned no series: {[str(r.query) for r in empty]}"
+        f"{len(empty)} dashboard expressions returned no series with a value: {[str(r.query) for r in empty]}"
     )
     assert not landed, (
         f"metrics in PENDING now return data, remove them from PENDING: "
