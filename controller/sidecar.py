@@ -27,6 +27,7 @@ from kvtier.collectors.storage import StorageCollector
 from kvtier.collectors.vllm_kv_subscriber import KvEventSubscriber
 from kvtier.collectors.vllm_metrics import VllmMetricsCollector, VllmMetricsObservation
 from kvtier.controller.settings import Settings
+from kvtier.controller.tier_view import TierView, TierViewExporter, build_tier_view
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,8 @@ class Sidecar:
                 devices=settings.storage_devices,
             )
         self.registry.register(KvMetricsExporter(self))
+        if settings.engine_urls or settings.lmcache_urls:  # the demo serves these families from its emulation
+            self.registry.register(TierViewExporter(self.tier_view))
 
     def _cache_collector(self, module: str, cls: str, url: str, kw: dict[str, Any]) -> Collector[Any, Any]:
         """Instantiate ``kvtier.collectors.<module>.<cls>(name, url, client=, registry=, clock=)``."""
@@ -205,6 +208,14 @@ class Sidecar:
         self.zctx.term()
 
     # ---- views --------------------------------------------------------------------------------------------
+    def tier_view(self) -> TierView:
+        """Per-tier hits, lookups and holdings from the latest vLLM and LMCache MP observations."""
+        from kvtier.collectors.lmcache_mp import LMCacheMPSample
+
+        engines = [e for mc in self.metrics_collectors if mc.latest is not None for e in mc.latest.engines]
+        layers = [c.latest for c in self.cache_collectors if isinstance(c.latest, LMCacheMPSample)]
+        return build_tier_view(engines, layers)
+
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """(ready, detail): ready when every configured collector's last poll succeeded."""
         down = {c.name: c.health.last_error or "not polled yet" for c in self.collectors if not c.health.up}
@@ -259,6 +270,7 @@ class Sidecar:
             "kv_events_replayed": sum(s.replayed for s in self.subscribers),
             "engines": engines,
             "cache_layers": [c.status() for c in self.cache_collectors],
+            "tier_view": self.tier_view().to_dict(),
             "storage": self.storage.status() if self.storage is not None else None,
             "collector_errors": {c.name: c.health.errors_by_kind for c in self.collectors},
         }

@@ -361,6 +361,33 @@ def test_status_per_tier_view_matches_lmcache_and_vllm(stack: Stack) -> None:
     got = until(view, "/v1/status per-tier hits equal to LMCache's and vLLM's counters", 30)
     FIGURES.append({"v1_status_hit_tokens": got, "lmcache_and_vllm_own": own})
 
+    # the same view as kvtier's own /metrics families (and /v1/status "tier_view"): hits served per tier, the
+    # lookups behind the per-tier hit ratio, and the chunks LMCache holds in L1
+    assert stack.vllm is not None
+    queries = scrape_sum(stack.vllm.url, "vllm:prefix_cache_queries_total")
+    want_hits = {"gpu": own["gpu"], "cpu": own["l1"], "disk": own["l2"], "remote": 0.0}
+
+    def l1_objects() -> int:
+        st = httpx.get(stack.mp.url + "/status", timeout=10).json()
+        return sum(int(m.get("total_object_count", 0))
+                   for m in st["storage_manager"]["l1_managers"].values())  # fmt: skip
+
+    def exported() -> dict[str, Any] | None:
+        hits = {t: stack.metric("kvtier_tier_hit_tokens_total", tier=t) for t in want_hits}
+        lookups = stack.metric("kvtier_lookup_tokens_total")
+        objects = stack.metric("kvtier_tier_objects", tier="cpu")
+        tiers_st = stack.status()["tier_view"]
+        if hits != want_hits or lookups != queries or objects != l1_objects() or objects <= 0:
+            return None
+        if tiers_st["hit_tokens"] != {k: v for k, v in want_hits.items() if k != "remote"}:
+            return None
+        return {"hit_tokens": hits, "lookup_tokens": lookups, "cpu_objects": objects,
+                "cpu_used_bytes": stack.metric("kvtier_tier_used_bytes", tier="cpu")}
+
+    got_m = until(exported, "kvtier_tier_* in /metrics equal to LMCache's and vLLM's counters", 30)
+    assert got_m["cpu_used_bytes"] > 0
+    FIGURES.append({"metrics_tier_view": got_m})
+
 
 def test_lmcache_outage_opens_the_breaker_and_recovery_closes_it(stack: Stack) -> None:
     r = httpx.post(stack.url + "/v1/pins", json={"prompt": P, "tier": "cpu"}, headers=AUTH, timeout=30)
