@@ -12,6 +12,8 @@ removed it (vLLM's docs ask consumers to reference-count repeated announcements)
 * ``BlockRemoved``: the source dropped the block; when no source holds it any more, ``index.remove``.
 * ``AllBlocksCleared`` (and :meth:`KvIngestor.clear_source`, used when an engine restarts): everything that
   source held in that tier (default GPU) is removed.
+* An event whose ``medium`` is not a known tier spelling is skipped and counted (``unknown_medium``), never
+  mapped to a guessed tier (the decoder already drops them; this guards direct callers).
 
 Times passed to the index are milliseconds (publisher batch ``ts`` * 1000). Residency (the reference counts
 behind :meth:`KvIngestor.blocks_tracked`) is updated immediately; index updates are queued and applied in bulk
@@ -29,6 +31,7 @@ from kvtier.collectors.vllm_events import (
     BlockRemoved,
     BlockStored,
     DecodedBatch,
+    UnknownMediumError,
     tier_of,
 )
 from kvtier.policies.index import BlockIndex
@@ -41,10 +44,14 @@ _NONE = object()  # no run of removals yet (a medium can be None)
 _MEDIA: dict[str | None, tuple[Tier, int]] = {}  # event medium -> (tier, rank), memoised
 
 
-def _tier_rank(medium: str | None) -> tuple[Tier, int]:
+def _tier_rank(medium: str | None) -> tuple[Tier, int] | None:
+    """(tier, rank) of a known medium spelling; None for an unknown one."""
     x = _MEDIA.get(medium)
     if x is None:
-        tier = tier_of(medium)
+        try:
+            tier = tier_of(medium)
+        except UnknownMediumError:
+            return None
         x = (tier, _RANK[tier])
         if len(_MEDIA) < 1024:
             _MEDIA[medium] = x
@@ -62,6 +69,7 @@ class SourceCounts:
     removed_unknown: int = 0  # BlockRemoved for a hash the source did not hold (store missed/never seen)
     blocks_cleared: int = 0  # hashes dropped by AllBlocksCleared or a restart
     accesses_inferred: int = 0  # index touches from parent chains and hit reports
+    unknown_medium: int = 0  # events skipped because their medium is not a known tier spelling
 
 
 class KvIngestor:
@@ -117,30 +125,38 @@ class KvIngestor:
         n_stored = n_removed = n_cleared = 0
         run: list[int] = []  # hashes of consecutive BlockRemoved events of one medium, applied together
         run_medium: object = _NONE
+        run_tr: tuple[Tier, int] | None = None  # (tier, rank) of run_medium; None = unknown spelling
         for e in events:
             te = type(e)
             if te is BlockRemoved:
-                n_removed += 1
                 m = e.medium
                 if m != run_medium:
                     if run:
-                        self._remove(held, c, run, run_medium, t_ms)  # type: ignore[arg-type]
+                        self._remove(held, c, run, run_tr, t_ms)  # type: ignore[arg-type]
                         run = []
                     run_medium = m
+                    run_tr = _MEDIA.get(m) or _tier_rank(m)
+                if run_tr is None:
+                    c.unknown_medium += 1
+                    continue
+                n_removed += 1
                 run += e.block_hashes  # type: ignore[union-attr]
                 continue
             if run:
-                self._remove(held, c, run, run_medium, t_ms)  # type: ignore[arg-type]
+                self._remove(held, c, run, run_tr, t_ms)  # type: ignore[arg-type]
                 run = []
-                run_medium = _NONE
-            if te is BlockStored:
+            run_medium = _NONE
+            tr = _MEDIA.get(e.medium) or _tier_rank(e.medium)
+            if tr is None:
+                c.unknown_medium += 1
+            elif te is BlockStored:
                 n_stored += 1
-                self._store(held, c, e, t_ms)  # type: ignore[arg-type]
+                self._store(held, c, e, tr, t_ms)  # type: ignore[arg-type]
             elif te is AllBlocksCleared:
                 n_cleared += 1
-                c.blocks_cleared += self._clear(held, tier_of(e.medium))
+                c.blocks_cleared += self._clear(held, tr[0])
         if run:
-            self._remove(held, c, run, run_medium, t_ms)  # type: ignore[arg-type]
+            self._remove(held, c, run, run_tr, t_ms)  # type: ignore[arg-type]
         ev = c.events
         ev["BlockStored"] += n_stored
         ev["BlockRemoved"] += n_removed
@@ -156,8 +172,10 @@ class KvIngestor:
         return n
 
     # ---- internals --------------------------------------------------------------------------------------
-    def _store(self, held: dict[Tier, set[int]], c: SourceCounts, e: BlockStored, t_ms: float) -> None:
-        tier, rank = _MEDIA.get(e.medium) or _tier_rank(e.medium)
+    def _store(
+        self, held: dict[Tier, set[int]], c: SourceCounts, e: BlockStored, tr: tuple[Tier, int], t_ms: float
+    ) -> None:
+        tier, rank = tr
         mine, res = held[tier], self._res[tier]
         q = self._q
         hs = e.block_hashes
@@ -191,9 +209,9 @@ class KvIngestor:
             pkey = k
 
     def _remove(
-        self, held: dict[Tier, set[int]], c: SourceCounts, hs: list[int], medium: str | None, t_ms: float
+        self, held: dict[Tier, set[int]], c: SourceCounts, hs: list[int], tr: tuple[Tier, int], t_ms: float
     ) -> None:
-        tier, rank = _MEDIA.get(medium) or _tier_rank(medium)
+        tier, rank = tr
         mine, res, extra = held[tier], self._res[tier], self._extra[tier]
         if len(hs) > 1:
             gone = set(hs)

@@ -6,14 +6,19 @@ Wire format (``vllm/distributed/kv_events.py``): one ZMQ multipart message per b
 positional arrays ``["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, ...]`` before.
 Both shapes are accepted. Block hashes are ints (uint64) or raw digests (bytes; folded to the low 64 bits as
 vLLM does with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``). ``medium`` is normalised to a kvtier
-:class:`~kvtier.policies.tiers.Tier` (None/unknown -> ``gpu``, the GPU block pool's own events).
+:class:`~kvtier.policies.tiers.Tier`: GPU/CPU/STORAGE in any case, SGLang and LMCache spellings, torch device
+strings (``cuda:0``), and None/absent = ``gpu`` (``medium`` is ``str|None``; the GPU block pool's own events
+and vLLM's ``AllBlocksCleared``, which has no fields). An unrecognised medium is never guessed: the event is
+skipped and listed in :attr:`DecodedBatch.unknown_media` (the subscriber counts it as an ``unknown_medium``
+collector error). A batch ``ts`` that is not a finite number makes the frame malformed.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -27,6 +32,23 @@ class DecodeError(ValueError):
     """A frame or event that cannot be decoded (counted and skipped by the subscriber)."""
 
 
+class UnknownMediumError(DecodeError):
+    """An event ``medium`` that is not a known tier spelling (never mapped to a guessed tier)."""
+
+
+# Media spellings the typed fast path accepts (msgspec checks them in C); any other string sends the batch
+# down the slow path, which normalises case / aliases and skips unknown media. Each must be known to tier_of.
+FAST_MEDIA: tuple[str, ...] = (
+    "GPU", "CPU", "STORAGE", "gpu", "cpu", "storage",  # vLLM; LMCache legacy ("cpu")
+    "CPU_PINNED", "DISK", "EXTERNAL", "cpu_pinned", "disk", "external",  # SGLang
+    *(f"cuda:{i}" for i in range(16)),  # torch device strings (LMCache legacy's tokens.device)
+)  # fmt: skip
+if TYPE_CHECKING:
+    _Medium = str
+else:
+    _Medium = Literal[FAST_MEDIA]
+
+
 # ---- msgspec schema of the 0.33 map-tagged events (unknown fields are ignored) ----------------------------
 class BlockStored(msgspec.Struct, tag=True, gc=False):
     block_hashes: list[int]  # bytes digests are folded to ints (slow path) -> always ints here
@@ -34,7 +56,7 @@ class BlockStored(msgspec.Struct, tag=True, gc=False):
     token_ids: msgspec.Raw = msgspec.Raw(b"\x90")  # msgpack bytes, decoded on demand by tokens()
     block_size: int = 0
     lora_id: int | None = None
-    medium: str | None = None
+    medium: _Medium | None = None
     lora_name: str | None = None
     group_idx: int | None = None
     locality: str | None = None
@@ -48,14 +70,14 @@ class BlockStored(msgspec.Struct, tag=True, gc=False):
 
 class BlockRemoved(msgspec.Struct, tag=True, gc=False):
     block_hashes: list[int]
-    medium: str | None = None
+    medium: _Medium | None = None
     group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None
 
 
 class AllBlocksCleared(msgspec.Struct, tag=True, gc=False):
-    medium: str | None = None  # not in vLLM; LMCache / connectors may scope a clear to a tier
+    medium: _Medium | None = None  # not in vLLM; LMCache / connectors may scope a clear to a tier
 
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
@@ -82,9 +104,11 @@ class DecodedBatch:
     events: list[Event]
     dp_rank: int | None
     skipped: int  # events in the payload that were malformed / of unknown type and were skipped
+    unknown_media: tuple[str | None, ...] = ()  # media of the events skipped as unknown spellings (one each)
 
 
-_tier_cache: dict[str | None, Tier] = {}
+_tier_cache: dict[str | None, Tier] = {None: Tier.GPU}  # known spellings only (bounded)
+_DEVICES = {"cuda": Tier.GPU, "cpu": Tier.CPU}  # torch device types with an index, e.g. "cuda:0"
 
 
 def block_key(h: int | bytes) -> int:
@@ -99,13 +123,40 @@ def block_key(h: int | bytes) -> int:
 
 
 def tier_of(medium: str | None) -> Tier:
-    """Normalise an event ``medium`` (any case; vLLM/SGLang/LMCache spellings). None/unknown -> GPU."""
+    """Normalise an event ``medium`` (any case; vLLM/SGLang/LMCache spellings, ``cuda:0``-style device
+    strings); None -> GPU. Raises :class:`UnknownMediumError` for anything else."""
     t = _tier_cache.get(medium)
     if t is None:
-        t = normalize_tier(medium, default=Tier.GPU)
+        if not isinstance(medium, str):
+            raise UnknownMediumError(f"medium of type {type(medium).__name__}")
+        try:
+            t = normalize_tier(medium)
+        except ValueError:
+            base, sep, idx = medium.strip().lower().partition(":")  # torch device (LMCache's tokens.device)
+            if not (sep and idx.isdigit() and base in _DEVICES):
+                raise UnknownMediumError(f"unknown medium {medium[:64]!r}") from None
+            t = _DEVICES[base]
         if len(_tier_cache) < 1024:
             _tier_cache[medium] = t
     return t
+
+
+def _drop_unknown_media(evs: list[Event]) -> tuple[list[Event], tuple[str | None, ...]]:
+    """Events whose medium is a known spelling, and the media of those dropped (one per event)."""
+    cache = _tier_cache
+    bad: set[str | None] | None = None
+    for e in evs:
+        m = e.medium
+        if m not in cache:
+            try:
+                tier_of(m)
+            except UnknownMediumError:
+                if bad is None:
+                    bad = set()
+                bad.add(m)
+    if bad is None:
+        return evs, ()
+    return [e for e in evs if e.medium not in bad], tuple(e.medium for e in evs if e.medium in bad)
 
 
 def parse_seq(frame: bytes) -> int:
@@ -187,6 +238,12 @@ def _from_map(e: dict[Any, Any]) -> Event:
     raise DecodeError(f"unknown event type {kind!r}")
 
 
+def _ts(ts: Any) -> float:
+    if isinstance(ts, int | float) and not isinstance(ts, bool) and math.isfinite(ts):
+        return float(ts)
+    raise DecodeError(f"batch ts is not a finite number: {ts!r:.40}")
+
+
 def _slow(payload: bytes) -> tuple[float, list[Event], int | None, int]:
     """Generic decode; convert event by event so one bad event does not lose the batch."""
     try:
@@ -195,7 +252,7 @@ def _slow(payload: bytes) -> tuple[float, list[Event], int | None, int]:
         raise DecodeError(f"payload is not msgpack: {exc}") from exc
     if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
         raise DecodeError(f"payload is not an event batch [ts, events, dp_rank]: {type(raw).__name__}")
-    ts = raw[0] if isinstance(raw[0], int | float) and not isinstance(raw[0], bool) else 0.0
+    ts = _ts(raw[0])
     dp = raw[2] if len(raw) > 2 and isinstance(raw[2], int) else None
     out: list[Event] = []
     skipped = 0
@@ -209,28 +266,33 @@ def _slow(payload: bytes) -> tuple[float, list[Event], int | None, int]:
                 raise DecodeError(f"event of type {type(e).__name__}")
         except DecodeError:
             skipped += 1
-    return float(ts), out, dp, skipped
+    return ts, out, dp, skipped
 
 
-def decode_payload(payload: bytes) -> tuple[float, list[Event], int | None, int]:
-    """msgpack payload -> (ts seconds, events, dp_rank, skipped events). Raises :class:`DecodeError`."""
+def decode_payload(payload: bytes) -> tuple[float, list[Event], int | None, int, tuple[str | None, ...]]:
+    """msgpack payload -> (ts seconds, events, dp_rank, number of malformed events skipped, media of the
+    events skipped for an unknown medium). Raises :class:`DecodeError` if it is no event batch."""
     try:
         b = _typed.decode(payload)
     except (msgspec.ValidationError, msgspec.DecodeError):
-        return _slow(payload)
-    evs = b.events
-    skipped = 0
-    if list in map(type, evs):  # older positional-array events (C-level scan; rare with vLLM >= 0.32)
-        for i, e in enumerate(evs):
-            if isinstance(e, list):
-                try:
-                    evs[i] = _from_array(e)
-                except DecodeError:
-                    evs[i] = None  # type: ignore[call-overload]
-                    skipped += 1
-        if skipped:
-            evs = [e for e in evs if e is not None]
-    return b.ts, evs, b.data_parallel_rank, skipped  # type: ignore[return-value]
+        ts, slow_evs, dp, skipped = _slow(payload)
+        slow_kept, slow_unknown = _drop_unknown_media(slow_evs)
+        return ts, slow_kept, dp, skipped, slow_unknown
+    if not math.isfinite(b.ts):
+        raise DecodeError(f"batch ts is not finite: {b.ts}")
+    evs: list[Any] = b.events  # map events' media are FAST_MEDIA (checked by msgspec)
+    if list not in map(type, evs):  # older positional-array events? (C-level scan; rare with vLLM >= 0.32)
+        return b.ts, evs, b.data_parallel_rank, 0, ()
+    n_bad = 0
+    for i, e in enumerate(evs):
+        if isinstance(e, list):
+            try:
+                evs[i] = _from_array(e)
+            except DecodeError:
+                evs[i] = None
+                n_bad += 1
+    kept, unknown = _drop_unknown_media([e for e in evs if e is not None])
+    return b.ts, kept, b.data_parallel_rank, n_bad, unknown
 
 
 def decode_frames(frames: list[bytes]) -> DecodedBatch:
@@ -239,5 +301,6 @@ def decode_frames(frames: list[bytes]) -> DecodedBatch:
         raise DecodeError(f"expected 3 frames (topic, seq, payload), got {len(frames)}")
     topic, seq_b, payload = frames
     seq = parse_seq(seq_b)
-    ts, events, dp, skipped = decode_payload(payload)
-    return DecodedBatch(topic if type(topic) is bytes else bytes(topic), seq, ts, events, dp, skipped)
+    ts, events, dp, skipped, unknown = decode_payload(payload)
+    topic_b = topic if type(topic) is bytes else bytes(topic)
+    return DecodedBatch(topic_b, seq, ts, events, dp, skipped, unknown)

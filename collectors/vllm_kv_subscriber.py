@@ -6,11 +6,19 @@
   only for endpoints with ``*`` or ``::`` or ``ipc://``/``inproc://`` -> the SUB connects (wildcards replaced
   by the engine's host); for any other endpoint (e.g. ``tcp://127.0.0.1:P``) vLLM CONNECTS -> the SUB binds.
   The replay ROUTER is always bound by vLLM -> the DEALER connects.
-* Sequence numbers (8-byte big-endian, +1 per batch per publisher): a gap is filled from the replay endpoint
-  when there is one (``(b"", start_seq)`` -> batches then an end marker with seq -1), otherwise counted lost.
-  A sequence that goes backwards means the publisher restarted: what that source held is dropped (its caches
-  are empty after a restart), as is done when :meth:`note_engine_start` sees a new process start time.
-* Malformed frames / events are counted in ``kvtier_collector_errors_total{collector}`` and skipped.
+* Sequence numbers (8-byte big-endian, +1 per batch per publisher). A batch whose seq is not the next one
+  expected is *held*, not applied, until the next frame confirms it: one bad frame (a spoofed or corrupted
+  seq) must never count a large loss or clear the index. The next frame confirms the held batch when it lies
+  after it, at most ``max_seq_gap`` further on (``held < next <= held + max_seq_gap``) and, if the held batch
+  went backwards, still before the old position (a restarted publisher counting up from 0). A confirmed
+  forward jump is a gap: filled from the replay endpoint when there is one (``(b"", start_seq)`` -> batches
+  then an end marker with seq -1), the rest counted lost. A confirmed backward jump is a publisher restart:
+  what that source held is dropped (its caches are empty after a restart). Otherwise the held batch is
+  dropped and counted as a ``sequence`` collector error. A new process start time (:meth:`note_engine_start`)
+  is a restart too, and confirms a held seq-0 batch. Cost: after a real gap or restart, the first batch waits
+  for the next one (or, for a restart, the next ``/metrics`` scrape).
+* Malformed frames / events, events with an unknown ``medium`` (kind ``unknown_medium``) and unconfirmed
+  sequence jumps are counted in ``kvtier_collector_errors_total{collector}`` and skipped.
 """
 
 from __future__ import annotations
@@ -105,9 +113,10 @@ class _SourceState:
     batches: int = 0
     lost: int = 0  # batches (sequence numbers) neither received nor replayed
     replayed: int = 0  # batches recovered from the replay endpoint
-    restarts: int = 0  # publisher restarts detected (sequence went backwards)
-    cleared_awaiting_first: bool = False
-    seq_reset_seen: bool = False
+    restarts: int = 0  # publisher restarts detected (sequence went backwards, or a new process start time)
+    held: DecodedBatch | None = None  # out-of-sequence batch waiting for the next frame to confirm it
+    rejected: int = 0  # held batches the next frame did not confirm (dropped, counted as errors)
+    seq_reset_seen: bool = False  # the stream showed a restart the start time has not shown yet
     label: str = field(default="")
 
 
@@ -129,14 +138,18 @@ class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
         engine: str | None = None,
         clock: Clock = time.time,
         replay_timeout_s: float = 2.0,
+        max_seq_gap: int = 10_000,
         timeout_s: float = 5.0,
     ) -> None:
+        """``max_seq_gap``: the largest seq step (batches) from a held out-of-sequence batch to the next frame
+        that still confirms it (vLLM buffers 10,000 batches for replay by default)."""
         super().__init__(name, base_url, client=client, registry=registry, clock=clock, timeout_s=timeout_s)
         self.ingestor = ingestor
         self.ctx = context
         self.engine = engine or (urlsplit(base_url).netloc or base_url)
         self.engine_host = urlsplit(base_url).hostname or "127.0.0.1"
         self.replay_timeout_s = replay_timeout_s
+        self.max_seq_gap = max_seq_gap
         self._states: dict[int, _SourceState] = {}
         self._engine_start: float | None = None
         self._lost_total = 0  # survive socket reconfiguration
@@ -172,6 +185,8 @@ class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
                 "lost": st.lost,
                 "replayed": st.replayed,
                 "restarts": st.restarts,
+                "held_seq": st.held.seq if st.held is not None else None,
+                "rejected": st.rejected,
             }
             for r, st in sorted(self._states.items())
         ]
@@ -203,7 +218,10 @@ class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
                 st.seq_reset_seen = False
                 continue
             self._restart(st, "process start time changed")
-            st.cleared_awaiting_first = True
+            held = st.held
+            if held is not None and held.seq == 0:  # the new process's first batch: confirmed
+                st.held = None
+                self._apply(st, held)
 
     def _restart(self, st: _SourceState, why: str) -> None:
         n = self.ingestor.clear_source(self.engine, st.label)
@@ -280,28 +298,49 @@ class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
         except DecodeError as exc:
             self.count_error("frame", exc)
             return
+        if batch.seq < 0:
+            self.count_error("frame", "replay end marker (seq -1) on the event stream")
+            return
         await self._accept(st, batch)
 
     async def _accept(self, st: _SourceState, batch: DecodedBatch) -> None:
+        """Apply ``batch`` if it is the next one expected; else hold it until the next frame (module doc)."""
         seq = batch.seq
         if st.expected is None:
             st.expected = 0  # a fresh subscriber: everything since seq 0 is wanted
-        if seq < st.expected:
-            if st.cleared_awaiting_first and seq == 0:
-                st.cleared_awaiting_first = False  # restart already handled via note_engine_start
+        held = st.held
+        if held is not None:
+            st.held = None
+            h, exp = held.seq, st.expected
+            if h < seq <= h + self.max_seq_gap and (h > exp or seq < exp):
+                if h < exp:
+                    self._restart(st, f"sequence went back from {exp} to {h}, then on to {seq}")
+                    st.seq_reset_seen = True
+                if h > st.expected:
+                    await self._fill_gap(st, st.expected, h)
+                self._apply(st, held)
             else:
-                self._restart(st, f"sequence went back from {st.expected} to {seq}")
-                st.seq_reset_seen = True
-            st.expected = 0
-        if seq > st.expected:
-            await self._fill_gap(st, st.expected, seq)
-        self._apply(st, batch)
+                st.rejected += 1
+                why = f"dp{st.src.dp_rank}: dropped out-of-sequence batch {h} (expected {exp}, next {seq})"
+                self.count_error("sequence", why)
+        if seq == st.expected:
+            self._apply(st, batch)
+        else:
+            st.held = batch
+
+    def _count(self, kind: str, n: int, detail: str) -> None:
+        """Count ``n`` skipped bad inputs of one kind with one log line."""
+        self.metrics.errors.labels(collector=self.name).inc(n)
+        self.health.errors_by_kind[kind] = self.health.errors_by_kind.get(kind, 0) + n
+        log.warning("%s: %d %s error(s): %s", self.name, n, kind, detail)
 
     def _apply(self, st: _SourceState, batch: DecodedBatch) -> None:
         if batch.skipped:
-            for _ in range(batch.skipped):
-                self.count_error("event", f"malformed/unknown event in batch {batch.seq}")
-        st.cleared_awaiting_first = False
+            self._count("event", batch.skipped, f"malformed/unknown events in batch {batch.seq}")
+        if batch.unknown_media:
+            media = sorted({repr(m)[:40] for m in batch.unknown_media})
+            self._count("unknown_medium", len(batch.unknown_media),
+                        f"events with an unknown medium {', '.join(media)} in batch {batch.seq}")  # fmt: skip
         try:
             self.ingestor.apply(self.engine, batch, st.label)
         except (DecodeError, ValueError, OverflowError) as exc:
