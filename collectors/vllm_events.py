@@ -10,12 +10,12 @@ vLLM does with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``). ``medium`` is normali
 strings (``cuda:0``), and None/absent = ``gpu`` (``medium`` is ``str|None``; the GPU block pool's own events
 and vLLM's ``AllBlocksCleared``, which has no fields). An unrecognised medium is never guessed: the event is
 skipped and listed in :attr:`DecodedBatch.unknown_media` (the subscriber counts it as an ``unknown_medium``
-collector error). A batch ``ts`` that is not a finite number makes the frame malformed.
+collector error). A batch ``ts`` that is not a number of seconds within ``±MAX_TS_S`` makes the frame
+malformed (the index keeps times as float ms; an overflowing one would poison its statistics).
 """
 
 from __future__ import annotations
 
-import math
 import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -24,6 +24,7 @@ import msgspec
 
 from kvtier.policies.tiers import Tier, normalize_tier
 
+MAX_TS_S = 1e12  # |batch ts| above this (seconds; year ~33,700) is not a wall-clock time: malformed frame
 _MASK64 = (1 << 64) - 1
 _SEQ = struct.Struct(">Q")
 
@@ -239,9 +240,9 @@ def _from_map(e: dict[Any, Any]) -> Event:
 
 
 def _ts(ts: Any) -> float:
-    if isinstance(ts, int | float) and not isinstance(ts, bool) and math.isfinite(ts):
+    if isinstance(ts, int | float) and not isinstance(ts, bool) and -MAX_TS_S <= ts <= MAX_TS_S:
         return float(ts)
-    raise DecodeError(f"batch ts is not a finite number: {ts!r:.40}")
+    raise DecodeError(f"batch ts is not a time in seconds: {ts!r:.40}")
 
 
 def _slow(payload: bytes) -> tuple[float, list[Event], int | None, int]:
@@ -278,8 +279,8 @@ def decode_payload(payload: bytes) -> tuple[float, list[Event], int | None, int,
         ts, slow_evs, dp, skipped = _slow(payload)
         slow_kept, slow_unknown = _drop_unknown_media(slow_evs)
         return ts, slow_kept, dp, skipped, slow_unknown
-    if not math.isfinite(b.ts):
-        raise DecodeError(f"batch ts is not finite: {b.ts}")
+    if not -MAX_TS_S <= b.ts <= MAX_TS_S:  # also NaN
+        raise DecodeError(f"batch ts is not a time in seconds: {b.ts}")
     evs: list[Any] = b.events  # map events' media are FAST_MEDIA (checked by msgspec)
     if list not in map(type, evs):  # older positional-array events? (C-level scan; rare with vLLM >= 0.32)
         return b.ts, evs, b.data_parallel_rank, 0, ()
