@@ -209,10 +209,20 @@ def test_broken_metrics_text_counted() -> None:
     assert reg.get_sample_value("kvtier_collector_errors_total", {"collector": "vllm_metrics:x"}) == 1.0
 
 
+def vllm_counter(srv: vllm_peer.VllmServer, name: str) -> float:
+    return float(sum(x.value for x in parse_families(srv.metrics_text()).get(name)))
+
+
 def test_kill_and_restart(srv: vllm_peer.VllmServer, side: sidecar_peer.SidecarThread) -> None:
     srv.complete(SHARED + " before the crash", max_tokens=2)
-    wait_for(lambda: side.status()["blocks_tracked"]["gpu"] > 0, 30, "blocks tracked before the crash")
-    restarts0 = side.status()["engines"][0]["kv_events"]["sources"][0]["restarts"]
+    # baseline: the sidecar has counted every event of the old process (== its replay buffer)
+    _, st0, *_ = wait_for(lambda: (r := _matches(side, srv))[0] and r, 30, "counts equal before the crash")
+    assert st0["blocks_tracked"]["gpu"] > 0
+    base = events_of(st0, _engine(srv))
+    eng0 = st0["engines"][0]
+    restarts0, start0 = eng0["kv_events"]["sources"][0]["restarts"], eng0["process_start_time"]
+    prompt0 = eng0["latest"]["prompt_tokens_total"]
+    assert start0 is not None and prompt0 > 0
     srv.kill()
     r = wait_for(
         lambda: (x := side.get("/readyz")).status_code == 503 and x, 30, "/readyz reports the engine down"
@@ -227,16 +237,31 @@ def test_kill_and_restart(srv: vllm_peer.VllmServer, side: sidecar_peer.SidecarT
     # the restart is noticed (new process start time) and the dead process's blocks are dropped
     st = wait_for(lambda: (s := side.status())["engines"][0]["kv_events"]["sources"][0]["restarts"] > restarts0  # noqa: E501
                   and s, 30, "restart handled")  # fmt: skip
+    assert st["engines"][0]["process_start_time"] > start0  # the engine sample's new process
     _, stored_new, removed_new, _ = independent_counts(srv)  # the new process (no requests yet)
     assert st["blocks_tracked"]["gpu"] == stored_new - removed_new  # the dead process's blocks were dropped
     assert st["engines"][0]["blocks"]["cleared"] > 0
     for i in range(2):
         srv.complete(SHARED + f" after the restart {i}", max_tokens=2)
     srv.complete(distinct(7), max_tokens=2)
-    res = wait_for(lambda: (r := _matches(side, srv)) and r[1]["blocks_tracked"]["gpu"] == r[3] - r[4] and r, 60,  # noqa: E501
-                   "index == stored - removed of the new process")  # fmt: skip
-    st = res[1]
+
+    def since_restart() -> Any:
+        """(sidecar's events since the baseline == the new process's, status, kinds, stored, removed)."""
+        kinds, stored, removed, _ = independent_counts(srv)
+        st = side.status()
+        got = {k: n - base.get(k, 0) for k, n in events_of(st, _engine(srv)).items() if n - base.get(k, 0)}
+        ok = got == dict(kinds) and st["blocks_tracked"]["gpu"] == stored - removed
+        return (ok, st, kinds, stored, removed)
+
+    _, st, kinds, stored, removed = wait_for(lambda: (r := since_restart())[0] and r, 60,
+                                             "event counts and index == the new process's")  # fmt: skip
+    assert kinds["BlockStored"] > 0 and stored > 0
     assert st["kv_events_lost"] == 0
-    # counters reset: the ratio is the new process's own
+    assert st["engines"][0]["kv_events"]["sources"][0]["held_seq"] is None
+    # counters reset: the engine sample holds the new process's own counters (smaller than before the crash)
+    want_prompt = vllm_counter(srv, "vllm:prompt_tokens_total")
+    assert 0 < want_prompt < prompt0
+    wait_for(lambda: side.status()["engines"][0]["latest"]["prompt_tokens_total"] == want_prompt, 30,
+             "prompt tokens after restart")  # fmt: skip
     want = vllm_ratio(srv)
     wait_for(lambda: side.status()["engines"][0]["prefix_cache_hit_ratio"] == want, 30, "ratio after restart")
