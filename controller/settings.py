@@ -65,6 +65,8 @@ class Settings(BaseSettings):
     storage_interval_s: float = Field(default=5.0, gt=0)
     http_timeout_s: float = Field(default=5.0, gt=0)
     replay_timeout_s: float = Field(default=2.0, gt=0)
+    # largest KV-event seq step (batches) confirming a held out-of-sequence batch (vllm_kv_subscriber)
+    max_seq_gap: int = Field(default=10_000, gt=0)
     storage_enabled: bool = True
     storage_root: str = "/"  # prefix for /proc and /sys (tests use canned trees)
     storage_devices: Annotated[list[str] | None, NoDecode] = None  # None: all but loop/ram

@@ -113,6 +113,7 @@ class Sidecar:
                     context=self.zctx,
                     engine=eng,
                     replay_timeout_s=settings.replay_timeout_s,
+                    max_seq_gap=settings.max_seq_gap,
                     timeout_s=settings.http_timeout_s,
                     **kw,
                 )  # fmt: skip
