@@ -148,6 +148,14 @@ def test_compare_table_json_and_plot(tmp_path: Path) -> None:
             for p in d["policies"]
         )
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    img = mpimg.imread(png)  # a real picture: a sized canvas with several coloured lines, not a blank page
+    assert img.shape[0] >= 300 and img.shape[1] >= 400, img.shape
+    colours = np.unique((img[..., :3] * 255).astype(np.uint8).reshape(-1, 3), axis=0)
+    assert len(colours) > 20, len(colours)
+    assert (img[..., :3] < 0.2).all(axis=-1).mean() > 0.001  # the black dashed Belady bound and the axes
     code, out, _ = invoke(
         "compare", "bundled", "--policies", "lru", "--capacities", "0.02", "--max-requests", "500"
     )
