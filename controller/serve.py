@@ -12,6 +12,9 @@ def serve(
     engine_url: list[str] = typer.Option(None, "--engine-url", help="vLLM API server URL (repeatable)."),
     lmcache_url: list[str] = typer.Option(None, "--lmcache-url", help="LMCache MP server URL (repeatable)."),
     mooncake_url: list[str] = typer.Option(None, "--mooncake-url", help="Mooncake master URL (repeatable)."),
+    lmcache_controller_url: list[str] = typer.Option(
+        None, "--lmcache-controller-url", help="Legacy LMCache cache-controller URL (repeatable)."
+    ),
     listen: str = typer.Option(None, "--listen", help="HOST:PORT to serve on [127.0.0.1:8787]."),
     config: Path = typer.Option(
         None, "--config", help="Config file (JSON or TOML); KVTIER_* env overrides it."
@@ -37,7 +40,8 @@ def serve(
     try:
         settings = load_settings(
             config, engine_urls=engine_url or None, lmcache_urls=lmcache_url or None,
-            mooncake_urls=mooncake_url or None, listen=listen, mode=mode, actuators=actuator or None,
+            mooncake_urls=mooncake_url or None, lmcache_controller_urls=lmcache_controller_url or None,
+            listen=listen, mode=mode, actuators=actuator or None,
             state_dir=str(state_dir) if state_dir else None, log_json=log_json, policy=policy,
             policy_tier=policy_tier,
         )  # fmt: skip

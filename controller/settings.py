@@ -59,6 +59,8 @@ class Settings(BaseSettings):
     engine_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)  # vLLM API servers
     lmcache_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)  # LMCache MP servers
     mooncake_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)  # Mooncake masters
+    # legacy LMCache cache controllers (``lmcache_controller``, LMCacheConnectorV1 deployments)
+    lmcache_controller_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
     listen: str = "127.0.0.1:8787"
     scrape_interval_s: float = Field(default=2.0, gt=0)  # /metrics of peers
     discovery_interval_s: float = Field(default=5.0, gt=0)  # GET /kv_event_sources
@@ -88,8 +90,9 @@ class Settings(BaseSettings):
     actuator_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
     @field_validator(
-        "engine_urls", "lmcache_urls", "mooncake_urls", "storage_devices", "actuators", mode="before"
-    )
+        "engine_urls", "lmcache_urls", "mooncake_urls", "lmcache_controller_urls", "storage_devices",
+        "actuators", mode="before",
+    )  # fmt: skip
     @classmethod
     def _lists(cls, v: Any) -> Any:
         return _split(v)
@@ -99,7 +102,7 @@ class Settings(BaseSettings):
     def _tiers(cls, v: Any) -> Any:
         return _tier_paths(v)
 
-    @field_validator("engine_urls", "lmcache_urls", "mooncake_urls")
+    @field_validator("engine_urls", "lmcache_urls", "mooncake_urls", "lmcache_controller_urls")
     @classmethod
     def _urls(cls, v: list[str]) -> list[str]:
         out = []

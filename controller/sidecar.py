@@ -118,10 +118,14 @@ class Sidecar:
                     **kw,
                 )  # fmt: skip
             )
-        for url in settings.lmcache_urls:
-            self.cache_collectors.append(self._cache_collector("lmcache_mp", "LMCacheMPCollector", url, kw))
-        for url in settings.mooncake_urls:
-            self.cache_collectors.append(self._cache_collector("mooncake", "MooncakeCollector", url, kw))
+        for module, cls, flag, urls in (
+            ("lmcache_mp", "LMCacheMPCollector", "--lmcache-url", settings.lmcache_urls),
+            ("mooncake", "MooncakeCollector", "--mooncake-url", settings.mooncake_urls),
+            ("lmcache_controller", "LMCacheControllerCollector", "--lmcache-controller-url",
+             settings.lmcache_controller_urls),
+        ):  # fmt: skip
+            for url in urls:
+                self.cache_collectors.append(self._cache_collector(module, cls, flag, url, kw))
         if settings.storage_enabled:
             self.storage = StorageCollector(
                 registry=self.registry,
@@ -134,17 +138,20 @@ class Sidecar:
         if settings.engine_urls or settings.lmcache_urls:  # the demo serves these families from its emulation
             self.registry.register(TierViewExporter(self.tier_view))
 
-    def _cache_collector(self, module: str, cls: str, url: str, kw: dict[str, Any]) -> Collector[Any, Any]:
-        """Instantiate ``kvtier.collectors.<module>.<cls>(name, url, client=, registry=, clock=)``."""
+    def _cache_collector(
+        self, module: str, cls: str, flag: str, url: str, kw: dict[str, Any]
+    ) -> Collector[Any, Any]:
+        """``kvtier.collectors.<module>.<cls>(name, url, client=, registry=, clock=, timeout_s=)``."""
         try:
             mod = importlib.import_module(f"kvtier.collectors.{module}")
             factory = getattr(mod, cls)
         except (ImportError, AttributeError) as exc:
             raise PeerNotAvailable(
-                f"--{module.split('_')[0]}-url given but kvtier.collectors.{module}.{cls} is not available "
-                f"in this build ({exc})"
+                f"{flag} given but kvtier.collectors.{module}.{cls} is not available in this build ({exc})"
             ) from exc
-        c: Collector[Any, Any] = factory(f"{module}:{_engine_label(url)}", url, **kw)
+        c: Collector[Any, Any] = factory(
+            f"{module}:{_engine_label(url)}", url, timeout_s=self.settings.http_timeout_s, **kw
+        )
         return c
 
     @property

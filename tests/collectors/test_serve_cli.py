@@ -110,3 +110,36 @@ def test_cache_layer_flag_without_collector_module_is_a_clear_error() -> None:
 
         sc = Sidecar(Settings(mooncake_urls=["http://127.0.0.1:1"], storage_enabled=False))
         assert [c.kind for c in sc.cache_collectors] and json.dumps(sc.status())
+
+
+@pytest.mark.parametrize(
+    "env", ['["127.0.0.1:1", "http://127.0.0.1:2/"]', "127.0.0.1:1, http://127.0.0.1:2/"]
+)
+def test_lmcache_controller_urls_env_forms(monkeypatch: pytest.MonkeyPatch, env: str) -> None:
+    monkeypatch.setenv("KVTIER_LMCACHE_CONTROLLER_URLS", env)
+    assert load_settings().lmcache_controller_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+
+
+def test_down_lmcache_controller_is_named_by_readyz_and_counted(tmp_path: Path) -> None:
+    """``--lmcache-controller-url`` builds the collector: /v1/status lists it, /readyz names it while the
+    controller is down, its failures are counted (live: tests/cachelayers/test_lmcache_controller_live.py)."""
+    port, dead = free_port(), free_port()
+    p = _serve("--lmcache-controller-url", f"127.0.0.1:{dead}", "--listen", f"127.0.0.1:{port}",
+               "--state-dir", str(tmp_path))  # fmt: skip
+    url, name = f"http://127.0.0.1:{port}", f"lmcache_controller:127.0.0.1:{dead}"
+    try:
+        r = wait_for(lambda: (x := httpx.get(url + "/readyz", timeout=2)).status_code == 503
+                     and x.json()["down"] and x, 60, "readyz 503")  # fmt: skip
+        assert set(r.json()["down"]) == {name} and r.json()["collectors"]["storage"] is True
+        layers = httpx.get(url + "/v1/status", timeout=2).json()["cache_layers"]
+        assert [(c["name"], c["kind"], c["url"]) for c in layers] == [
+            (name, "lmcache_controller", f"http://127.0.0.1:{dead}")
+        ]
+        assert layers[0]["health"]["up"] is False and layers[0]["health"]["errors_by_kind"]["fetch"] >= 1
+        text = httpx.get(url + "/metrics", timeout=2).text
+        want = f'kvtier_collector_errors_total{{collector="{name}"}}'
+        errs = [ln for ln in text.splitlines() if ln.startswith(want)]
+        assert errs and float(errs[0].split()[-1]) >= 1
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
