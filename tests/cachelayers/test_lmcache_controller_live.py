@@ -1,17 +1,25 @@
 """kvtier's LMCache-controller actuator + collector against a REAL ``lmcache_controller`` with a REAL CPU-only
 standalone LMCache worker, in a private network namespace (the worker binds all interfaces); the scenario
 runs inside it: tests/peers/scripts/lmcache_controller_scenario.py. KV chunks are put into the worker
-through its own internal API (``/cache/store?tokens_mock=``)."""
+through its own internal API (``/cache/store?tokens_mock=``).
+
+The sidecar part runs ``kvtier serve --lmcache-controller-url`` against another such controller + worker;
+its driver is this module run as a script inside the namespace (the sidecar must live where it can reach the
+controller): ``python tests/cachelayers/test_lmcache_controller_live.py --workdir W``."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from tests.peers.lmcache_controller import run_in_netns
+from tests.peers.lmcache_controller import ControllerCluster, run_in_netns
+from tests.peers.procs import free_port, start, stop, wait_for
 
 pytestmark = pytest.mark.lmcache
 
@@ -21,6 +29,15 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work: Path = tmp_path_factory.mktemp("lmcache_controller")
     out = run_in_netns("lmcache_controller_scenario.py", work, timeout_s=400)
     print("\nLMCACHE_CONTROLLER_RESULT " + json.dumps(out)[:6000])
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    work: Path = tmp_path_factory.mktemp("lmcache_controller_serve")
+    # an absolute script path replaces tests/peers/scripts/ in the namespace runner's path join
+    out = run_in_netns(str(Path(__file__).resolve()), work, timeout_s=400)
+    print("\nLMCACHE_CONTROLLER_SERVE_RESULT " + json.dumps(out)[:6000])
     return out
 
 
@@ -63,3 +80,100 @@ def test_controller_down_fails_then_opens_the_breaker(run: dict[str, Any]) -> No
     assert first["attempts"] == 3
     assert outcomes(second) == ["failed"] and "circuit open" in second["outcomes"][0][2]
     assert second["attempts"] == 0 and run["dead_health"] == "open"
+
+
+def test_serve_shows_the_controllers_workers_and_key_counts(served: dict[str, Any]) -> None:
+    """``kvtier serve --lmcache-controller-url``: /v1/status cache_layers = the controller's own API."""
+    empty, stored = served["empty"], served["stored"]
+    assert served["kind"] == "lmcache_controller" and served["url"] == served["controller_url"]
+    assert empty["sidecar"] == empty["controller"]
+    assert empty["controller"]["worker_count"] == 1 and empty["controller"]["total_key_count"] == 0
+    assert empty["controller"]["keys_by_instance"] == {"standalone0": 0}
+    assert served["store"]["status"] == 200
+    assert stored["sidecar"] == stored["controller"]
+    c = stored["controller"]
+    assert c["total_key_count"] == 2 and c["keys_by_instance"] == {"standalone0": 2}  # 512 tokens = 2 chunks
+    assert c["worker_count"] == 1 and c["instance_count"] == 1 and len(c["workers"]) == 1
+    assert c["workers"][0][:2] == ["standalone0", 0]
+
+
+def test_serve_readyz_names_the_down_controller_and_counts_errors(served: dict[str, Any]) -> None:
+    assert served["up_before_stop"] is True
+    assert served["down"] == [served["name"]] and served["storage_up"] is True
+    assert served["errors_total"] >= 1 and served["fetch_errors"] >= 1
+
+
+# ---- driver, run inside the network namespace ------------------------------------------------------------
+def _own_view(url: str) -> dict[str, Any]:
+    """The controller's own API, reduced to the figures kvtier's collector reports."""
+    ks = httpx.get(url + "/controller/key-stats", timeout=5).json()
+    ws = httpx.get(url + "/controller/workers", timeout=5).json().get("workers") or []
+    return {"total_key_count": ks["total_key_count"], "instance_count": ks.get("total_instance_count"),
+            "worker_count": ks.get("total_worker_count"),
+            "keys_by_instance": {str(i["instance_id"]): i["key_count"] for i in ks.get("instances") or []},
+            "workers": sorted([w["instance_id"], w["worker_id"], w["ip"], w["port"], w["key_count"]]
+                              for w in ws)}
+
+
+def _sidecar_layer(sidecar: str, name: str) -> dict[str, Any]:
+    layers = {c["name"]: c for c in httpx.get(sidecar + "/v1/status", timeout=5).json()["cache_layers"]}
+    out: dict[str, Any] = layers[name]
+    return out
+
+
+def _sidecar_view(sidecar: str, name: str) -> dict[str, Any]:
+    lt = _sidecar_layer(sidecar, name)["latest"]
+    return {k: lt[k] for k in ("total_key_count", "instance_count", "worker_count", "keys_by_instance")} | {
+        "workers": sorted([w["instance_id"], w["worker_id"], w["ip"], w["port"], w["key_count"]]
+                          for w in lt["workers"])}
+
+
+def _both_when_equal(sidecar: str, name: str, url: str, keys: int) -> dict[str, Any] | None:
+    """Both views once the sidecar has caught up with the controller holding ``keys`` keys."""
+    own = _own_view(url)
+    side = _sidecar_view(sidecar, name)
+    return {"controller": own, "sidecar": side} if own["total_key_count"] == keys and side == own else None
+
+
+def _serve_main(workdir: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    cl = ControllerCluster(workdir)
+    serve = None
+    try:
+        cl.start()
+        port = free_port()
+        sidecar = f"http://127.0.0.1:{port}"
+        name = f"lmcache_controller:127.0.0.1:{cl.http_port}"
+        log = workdir / "serve.log"
+        serve = start([sys.executable, "-m", "kvtier", "serve", "--lmcache-controller-url", cl.url,
+                       "--listen", f"127.0.0.1:{port}", "--state-dir", str(workdir / "state")], log,
+                      env={"KVTIER_SCRAPE_INTERVAL_S": "0.3", "KVTIER_STORAGE_INTERVAL_S": "0.3"},
+                      new_session=False)
+        out["empty"] = wait_for(lambda: _both_when_equal(sidecar, name, cl.url, 0), 60,
+                                "sidecar shows the empty controller", proc=serve, log=log)
+        layer = _sidecar_layer(sidecar, name)
+        out.update(name=name, kind=layer["kind"], url=layer["url"], controller_url=cl.url)
+        out["store"] = cl.store(0, cl.chunk_size * 2)
+        out["stored"] = wait_for(lambda: _both_when_equal(sidecar, name, cl.url, 2), 30,
+                                 "sidecar shows the stored chunks", proc=serve, log=log)
+        out["up_before_stop"] = httpx.get(sidecar + "/readyz", timeout=5).status_code == 200
+        cl.stop()
+        ready = wait_for(lambda: (r := httpx.get(sidecar + "/readyz", timeout=5)).status_code == 503
+                         and name in r.json()["down"] and r.json(), 30, "readyz names the controller",
+                         proc=serve, log=log)  # fmt: skip
+        out["down"] = sorted(ready["down"])
+        out["storage_up"] = ready["collectors"].get("storage")
+        text = httpx.get(sidecar + "/metrics", timeout=5).text
+        want = f'kvtier_collector_errors_total{{collector="{name}"}} '
+        out["errors_total"] = sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(want))
+        out["fetch_errors"] = _sidecar_layer(sidecar, name)["health"]["errors_by_kind"].get("fetch", 0)
+    finally:
+        stop(serve)
+        cl.stop()
+    return out
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workdir", required=True)
+    print("RESULT " + json.dumps(_serve_main(Path(ap.parse_args().workdir)), default=str), flush=True)
