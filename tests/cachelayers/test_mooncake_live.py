@@ -1,15 +1,25 @@
 """kvtier's Mooncake actuator + collector against a REAL Mooncake master with two TCP clients, in a private
-network namespace (``unshare -n``; the scenario runs inside it: tests/peers/scripts/mooncake_scenario.py)."""
+network namespace (``unshare -n``; the scenario runs inside it: tests/peers/scripts/mooncake_scenario.py).
+
+The sidecar part runs ``kvtier serve --mooncake-url`` against another such master; its driver is this module
+run as a script inside the namespace (the sidecar must live where it can reach the master):
+``python tests/cachelayers/test_mooncake_live.py --workdir W --kvtier-python PY``."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from tests.peers.mooncake import run_in_netns
+from tests.peers.mooncake import MooncakeCluster, run_in_netns
+from tests.peers.procs import free_port, start, stop, wait_for
 
 pytestmark = pytest.mark.mooncake
 
@@ -19,6 +29,16 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work: Path = tmp_path_factory.mktemp("mooncake")
     out = run_in_netns("mooncake_scenario.py", work, timeout_s=240)
     print("\nMOONCAKE_RESULT " + json.dumps(out)[:6000])
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    work: Path = tmp_path_factory.mktemp("mooncake_serve")
+    # an absolute script path replaces tests/peers/scripts/ in the namespace runner's path join; the driver
+    # runs under the Mooncake venv, `kvtier serve` under this one
+    out = run_in_netns(str(Path(__file__).resolve()), work, "--kvtier-python", sys.executable, timeout_s=300)
+    print("\nMOONCAKE_SERVE_RESULT " + json.dumps(out)[:6000])
     return out
 
 
@@ -80,3 +100,108 @@ def test_unreachable_master_fails_per_key_and_opens_the_breaker(run: dict[str, A
     assert outcomes(run["dead_1"]) == ["failed"] and "unreachable" in run["dead_1"]["outcomes"][0][2]
     assert outcomes(run["dead_2"]) == ["failed"] and "circuit open" in run["dead_2"]["outcomes"][0][2]
     assert run["dead_health"] == "open"
+
+
+def test_serve_shows_the_masters_figures(served: dict[str, Any]) -> None:
+    """``kvtier serve --mooncake-url``: /v1/status cache_layers = the master's own /metrics and summary."""
+    assert served["kind"] == "mooncake" and served["url"] == served["master_url"]
+    assert served["put_rc"] == [0, 0, 0]
+    assert served["view"]["sidecar"] == served["view"]["master"]
+    m = served["view"]["master"]
+    assert m["key_count"] == 3 and m["active_clients"] == 2 and m["capacity_cpu"] == 2 * (64 << 20)
+    assert m["allocated_cpu"] >= 3 * 4096 and m["summary"] == {"role": "leader", "keys": 3, "clients": 2}
+    assert served["families"] >= 130
+
+
+def test_serve_readyz_names_the_down_master_and_counts_errors(served: dict[str, Any]) -> None:
+    assert served["up_before_stop"] is True
+    assert served["down"] == [served["name"]] and served["storage_up"] is True
+    assert served["errors_total"] >= 1 and served["fetch_errors"] >= 1
+
+
+# ---- driver, run inside the network namespace ------------------------------------------------------------
+def _master_view(url: str) -> dict[str, Any]:
+    """The master's own /metrics (summed by sample name) and /metrics/summary, reduced to kvtier's figures."""
+    sums: dict[str, float] = {}
+    for ln in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if ln and not ln.startswith("#"):
+            name, value = re.split(r"[{ ]", ln, maxsplit=1)[0], ln.rsplit(None, 1)[-1]
+            sums[name] = sums.get(name, 0.0) + float(value)
+    summary = httpx.get(url + "/metrics/summary", timeout=5).text
+    grab = lambda pat: (m := re.search(pat, summary)) and m.group(1)  # noqa: E731
+    return {"key_count": sums["master_key_count"], "active_clients": sums["master_active_clients"],
+            "capacity_cpu": sums["master_total_capacity_bytes"],
+            "allocated_cpu": sums["master_allocated_bytes"],
+            "summary": {"role": grab(r"role=(\w+)"), "keys": int(grab(r"Keys: (\d+)") or -1),
+                        "clients": int(grab(r"Clients: (\d+)") or -1)}}
+
+
+def _sidecar_layer(sidecar: str, name: str) -> dict[str, Any]:
+    layers = {c["name"]: c for c in httpx.get(sidecar + "/v1/status", timeout=5).json()["cache_layers"]}
+    out: dict[str, Any] = layers[name]
+    return out
+
+
+def _sidecar_view(sidecar: str, name: str) -> dict[str, Any]:
+    lt = _sidecar_layer(sidecar, name)["latest"]
+    sm = lt["summary"] or {}
+    return {"key_count": lt["key_count"], "active_clients": lt["active_clients"],
+            "capacity_cpu": lt["capacity_bytes"]["cpu"], "allocated_cpu": lt["allocated_bytes"]["cpu"],
+            "summary": {k: sm.get(k) for k in ("role", "keys", "clients")}}
+
+
+def _both_when_equal(sidecar: str, name: str, url: str, keys: int) -> dict[str, Any] | None:
+    own = _master_view(url)
+    side = _sidecar_view(sidecar, name)
+    return {"master": own, "sidecar": side} if own["key_count"] == keys and side == own else None
+
+
+def _serve_main(workdir: Path, kvtier_python: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    cl = MooncakeCluster(workdir)
+    serve = store = None
+    try:
+        cl.start()
+        store = cl.client(f"127.0.0.1:{free_port()}")
+        port = free_port()
+        sidecar = f"http://127.0.0.1:{port}"
+        name = f"mooncake:127.0.0.1:{cl.metrics_port}"
+        log = workdir / "serve.log"
+        serve = start([kvtier_python, "-m", "kvtier", "serve", "--mooncake-url", cl.admin_url,
+                       "--listen", f"127.0.0.1:{port}", "--state-dir", str(workdir / "state")], log,
+                      env={"KVTIER_SCRAPE_INTERVAL_S": "0.3", "KVTIER_STORAGE_INTERVAL_S": "0.3",
+                           "LD_LIBRARY_PATH": ""}, new_session=False)  # fmt: skip
+        out["put_rc"] = [store.put(f"serve-k{i}", os.urandom(4096)) for i in range(3)]
+        out["view"] = wait_for(lambda: _both_when_equal(sidecar, name, cl.admin_url, 3), 60,
+                               "sidecar shows the master's keys", proc=serve, log=log)  # fmt: skip
+        layer = _sidecar_layer(sidecar, name)
+        out.update(name=name, kind=layer["kind"], url=layer["url"], master_url=cl.admin_url,
+                   families=layer["latest"]["families"])  # fmt: skip
+        out["up_before_stop"] = httpx.get(sidecar + "/readyz", timeout=5).status_code == 200
+        store.close()
+        store = None
+        cl.stop()
+        ready = wait_for(lambda: (r := httpx.get(sidecar + "/readyz", timeout=5)).status_code == 503
+                         and name in r.json()["down"] and r.json(), 30, "readyz names the master",
+                         proc=serve, log=log)  # fmt: skip
+        out["down"] = sorted(ready["down"])
+        out["storage_up"] = ready["collectors"].get("storage")
+        text = httpx.get(sidecar + "/metrics", timeout=5).text
+        want = f'kvtier_collector_errors_total{{collector="{name}"}} '
+        out["errors_total"] = sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(want))
+        out["fetch_errors"] = _sidecar_layer(sidecar, name)["health"]["errors_by_kind"].get("fetch", 0)
+    finally:
+        stop(serve)
+        if store is not None:
+            store.close()
+        cl.stop()
+    return out
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--kvtier-python", required=True)
+    a = ap.parse_args()
+    print("RESULT " + json.dumps(_serve_main(Path(a.workdir), a.kvtier_python), default=str), flush=True)
+    os._exit(0)  # the Mooncake client's threads may outlive close()
