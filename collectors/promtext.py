@@ -2,8 +2,8 @@
 
 ``prometheus_client.parser.text_string_to_metric_families`` gives up on the first bad line. Scraped peers can
 send partly broken text, so :func:`parse_families` first tries the whole text and, if that fails, re-parses
-family by family (split on ``# HELP`` / ``# TYPE`` headers), keeping the good families and reporting how many
-blocks were skipped. Pure: no I/O.
+family by family (split where ``# HELP`` / ``# TYPE`` headers of a new name begin), keeping the good
+families and reporting how many blocks were skipped. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -34,16 +34,25 @@ def _add(out: ParsedText, families: Iterable[object]) -> None:
             out.samples.setdefault(s.name, []).append(s)
 
 
+def _header_name(line: str) -> str | None:
+    """Metric name of a ``# HELP``/``# TYPE`` line, else None."""
+    if not line.startswith(("# HELP ", "# TYPE ")):
+        return None
+    parts = line.split(None, 3)
+    return parts[2] if len(parts) > 2 else ""
+
+
 def _blocks(text: str) -> list[str]:
-    """Split exposition text into blocks; a run of ``# HELP``/``# TYPE`` lines starts a block."""
+    """Split exposition text into blocks: each run of ``# HELP``/``# TYPE`` lines of one metric name starts a
+    block (so a broken header never takes the next family's headers and samples with it)."""
     blocks: list[list[str]] = [[]]
-    prev_header = False
+    cur: str | None = None  # name of the header run the previous line belonged to
     for line in text.splitlines():
-        header = line.startswith(("# HELP ", "# TYPE "))
-        if header and not prev_header and blocks[-1]:
+        name = _header_name(line)
+        if name is not None and name != cur and blocks[-1]:
             blocks.append([])
         blocks[-1].append(line)
-        prev_header = header
+        cur = name
     return ["\n".join(b) + "\n" for b in blocks if b]
 
 

@@ -3,15 +3,19 @@
 Names are those of ``vllm/v1/metrics/loggers.py`` (vLLM 0.32 CPU build and 0.33; see
 ``/work/shared/reference/integrations.md`` §1.1). Rates and latency quantiles are computed from the deltas
 between two scrapes (histogram quantiles by linear interpolation inside the bucket, as PromQL's
-``histogram_quantile``). A counter that went down, or a new ``process_start_time_seconds``, is an engine
-restart: the delta is then the new value itself (counted from 0). Families the collector does not know are
-tolerated and counted (``unknown_families``), as are expected ones that are absent (``missing_families``).
+``histogram_quantile``). Any monotonic series of an engine that went down (a counter, a cached-by-source
+counter, a histogram bucket / count / sum), or a new ``process_start_time_seconds``, is a restart of that
+engine: every delta is then the new value itself (counted from 0). A series missing from one scrape (e.g. its
+block was broken) keeps its last value and time, so the next rate / window spans from there (no spike, no
+silent zero). Families the collector does not know are tolerated and counted (``unknown_families``), as are
+expected ones that are absent (``missing_families``).
 """
 
 from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import httpx
@@ -71,7 +75,8 @@ KNOWN_FAMILIES = EXPECTED_FAMILIES | frozenset(
 
 @dataclass(frozen=True, slots=True)
 class LatencySummary:
-    """Latency over the scrape window from histogram bucket deltas, seconds."""
+    """Latency over the scrape window from histogram bucket deltas, seconds. On an engine's first scrape and
+    at a restart the window is "since the engine started"; no new observations -> count 0, the rest None."""
 
     count: float  # observations in the window
     mean: float | None
@@ -99,6 +104,7 @@ class EngineSample:
     external_prefix_cache_queries: float
     external_prefix_cache_hits: float
     external_prefix_cache_hit_ratio: float | None
+    external_prefix_cache_hit_ratio_window: float | None
     prompt_tokens_cached: float
     cached_tokens_by_source: dict[str, float]  # source (device/host/p2p/disk/external_unspecified) -> tokens
     cached_tokens_by_source_per_s: dict[str, float]
@@ -122,8 +128,9 @@ class VllmMetricsObservation(Observation):
 
 
 def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
-    """PromQL-style quantile from (upper bound, cumulative count) pairs sorted by bound; None if empty."""
-    if not buckets:
+    """PromQL-style quantile from (upper bound, cumulative count) pairs sorted by bound; None where PromQL
+    gives NaN (no observations, no +Inf bucket, fewer than two buckets)."""
+    if len(buckets) < 2 or not math.isinf(buckets[-1][0]):
         return None
     total = buckets[-1][1]
     if total <= 0:
@@ -142,22 +149,39 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
 
 
 @dataclass(slots=True)
+class _Hist:
+    t: float  # clock time the histogram was last seen
+    buckets: dict[float, float]  # le -> cumulative count
+    sum: float
+
+
+@dataclass(slots=True)
 class _Prev:
-    t: float
-    counters: dict[str, float]
-    by_source: dict[str, float]
-    hist: dict[str, dict[float, float]]  # family -> le -> cumulative count
-    hist_sum: dict[str, float]
+    """Last seen value and time of each series of one engine (carried across scrapes that lacked it)."""
+
+    t: float  # time of the last scrape of this engine
+    counters: dict[str, tuple[float, float]]  # sample name -> (value, time)
+    by_source: dict[str, tuple[float, float]]
+    hist: dict[str, _Hist]
 
 
 def _key(labels: dict[str, str]) -> tuple[str, str]:
     return labels.get("model_name", ""), labels.get("engine", "0")
 
 
-def _delta(cur: float, prev: float | None, reset: bool) -> float:
-    if prev is None:
-        return 0.0
-    return cur if reset or cur < prev else cur - prev
+def _went_down(prev: _Prev, counters: dict[str, float], by_source: dict[str, float],
+               hist: dict[str, _Hist]) -> bool:  # fmt: skip
+    if any(v < prev.counters[n][0] for n, v in counters.items() if n in prev.counters):
+        return True
+    if any(v < prev.by_source[k][0] for k, v in by_source.items() if k in prev.by_source):
+        return True
+    for h, cur in hist.items():
+        old = prev.hist.get(h)
+        if old is not None and (
+            cur.sum < old.sum or any(c < old.buckets.get(le, 0.0) for le, c in cur.buckets.items())
+        ):
+            return True
+    return False
 
 
 @dataclass(slots=True)
@@ -200,45 +224,58 @@ class VllmMetricsParser:
         by_source = {
             s.labels.get("source", ""): float(s.value) for s in p.get(C_CACHED_SRC) if _key(s.labels) == key
         }
-        hist: dict[str, dict[float, float]] = {}
-        hsum: dict[str, float] = {}
+        hist: dict[str, _Hist] = {}
         for h in HISTOGRAMS:
-            hist[h] = {float(s.labels["le"]): float(s.value) for s in p.get(h + "_bucket")
-                       if _key(s.labels) == key and "le" in s.labels}  # fmt: skip
-            sm = next((float(s.value) for s in p.get(h + "_sum") if _key(s.labels) == key), None)
-            if sm is not None:
-                hsum[h] = sm
+            bks = {float(s.labels["le"]): float(s.value) for s in p.get(h + "_bucket")
+                   if _key(s.labels) == key and "le" in s.labels}  # fmt: skip
+            if bks:
+                sm = next((float(s.value) for s in p.get(h + "_sum") if _key(s.labels) == key), 0.0)
+                hist[h] = _Hist(t=now, buckets=bks, sum=sm)
         prev = self.prev.get(key)
-        reset = restarted or (
-            prev is not None and any(v < prev.counters.get(n, 0.0) for n, v in counters.items())
-        )
+        reset = restarted or (prev is not None and _went_down(prev, counters, by_source, hist))
         dt = (now - prev.t) if prev is not None else None
-        self.prev[key] = _Prev(t=now, counters=counters, by_source=by_source, hist=hist, hist_sum=hsum)
+        base = prev if prev is not None and not reset else _Prev(t=now, counters={}, by_source={}, hist={})
+        self.prev[key] = _Prev(
+            t=now,
+            counters={**base.counters, **{n: (v, now) for n, v in counters.items()}},
+            by_source={**base.by_source, **{k: (v, now) for k, v in by_source.items()}},
+            hist={**base.hist, **hist},
+        )
 
-        def d(name: str) -> float | None:
-            if prev is None or name not in counters:
+        def delta(cur: float | None, old: tuple[float, float] | None) -> tuple[float, float] | None:
+            """(increase, seconds) since ``old`` was seen; at a restart since the previous scrape, from 0."""
+            if prev is None or cur is None or dt is None:
                 return None
-            return _delta(counters[name], prev.counters.get(name), reset)
+            if reset:
+                return cur, dt
+            return (cur - old[0], now - old[1]) if old is not None else None
 
-        def rate(name: str) -> float | None:
-            x = d(name)
-            return x / dt if x is not None and dt else None
+        def d(name: str) -> tuple[float, float] | None:
+            return delta(counters.get(name), prev.counters.get(name) if prev is not None else None)
+
+        def per_s(x: tuple[float, float] | None) -> float | None:
+            return x[0] / x[1] if x is not None and x[1] > 0 else None
 
         def ratio(h: float | None, q: float | None) -> float | None:
             return h / q if h is not None and q else None
 
+        def window_ratio(hits: str, queries: str) -> float | None:
+            dh, dq = d(hits), d(queries)
+            if dh is None or dq is None or dh[1] != dq[1]:  # different spans (one was carried): undefined
+                return None
+            return ratio(dh[0], dq[0])
+
         def lat(h: str) -> LatencySummary | None:
             cur = hist.get(h)
-            if not cur:
+            if cur is None:
                 return None
-            old = prev.hist.get(h, {}) if prev is not None and not reset else {}
-            bks = sorted((le, c - old.get(le, 0.0)) for le, c in cur.items())
-            if any(c < 0 for _, c in bks):  # reset without a counter going down elsewhere
-                bks = sorted(cur.items())
-                old = {}
-            count = bks[-1][1] if bks else 0.0
-            s_old = prev.hist_sum.get(h, 0.0) if prev is not None and old else 0.0
-            s = hsum.get(h, 0.0) - s_old
+            old = prev.hist.get(h) if prev is not None and not reset else None
+            if prev is not None and not reset and old is None:
+                return None  # never seen since the engine's (re)start: the window is unknown
+            old_b = old.buckets if old is not None else {}
+            bks = sorted((le, c - old_b.get(le, 0.0)) for le, c in cur.buckets.items())
+            count = bks[-1][1]
+            s = cur.sum - (old.sum if old is not None else 0.0)
             return LatencySummary(
                 count=count,
                 mean=s / count if count else None,
@@ -247,10 +284,11 @@ class VllmMetricsParser:
                 p99=histogram_quantile(0.99, bks),
             )
 
-        dq, dh = d(C_PC_Q), d(C_PC_H)
         src_rate: dict[str, float] = {}
-        if prev is not None and dt:
-            src_rate = {k: _delta(v, prev.by_source.get(k), reset) / dt for k, v in by_source.items()}
+        for k, v in by_source.items():
+            r = per_s(delta(v, prev.by_source.get(k) if prev is not None else None))
+            if r is not None:
+                src_rate[k] = r
         return EngineSample(
             model=key[0],
             engine=key[1],
@@ -258,15 +296,16 @@ class VllmMetricsParser:
             restarted=bool(reset),
             prompt_tokens_total=counters.get(C_PROMPT, 0.0),
             generation_tokens_total=counters.get(C_GEN, 0.0),
-            prompt_tokens_per_s=rate(C_PROMPT),
-            generation_tokens_per_s=rate(C_GEN),
+            prompt_tokens_per_s=per_s(d(C_PROMPT)),
+            generation_tokens_per_s=per_s(d(C_GEN)),
             prefix_cache_queries=counters.get(C_PC_Q, 0.0),
             prefix_cache_hits=counters.get(C_PC_H, 0.0),
             prefix_cache_hit_ratio=ratio(counters.get(C_PC_H), counters.get(C_PC_Q)),
-            prefix_cache_hit_ratio_window=ratio(dh, dq),
+            prefix_cache_hit_ratio_window=window_ratio(C_PC_H, C_PC_Q),
             external_prefix_cache_queries=counters.get(C_EPC_Q, 0.0),
             external_prefix_cache_hits=counters.get(C_EPC_H, 0.0),
             external_prefix_cache_hit_ratio=ratio(counters.get(C_EPC_H), counters.get(C_EPC_Q)),
+            external_prefix_cache_hit_ratio_window=window_ratio(C_EPC_H, C_EPC_Q),
             prompt_tokens_cached=counters.get(C_CACHED, 0.0),
             cached_tokens_by_source=by_source,
             cached_tokens_by_source_per_s=src_rate,
@@ -274,7 +313,7 @@ class VllmMetricsParser:
             requests_running=val(G_RUN),
             requests_waiting=val(G_WAIT),
             preemptions_total=counters.get(C_PREEMPT, 0.0),
-            preemptions_per_s=rate(C_PREEMPT),
+            preemptions_per_s=per_s(d(C_PREEMPT)),
             ttft=lat(H_TTFT),
             itl=lat(H_ITL),
             e2e=lat(H_E2E),
@@ -310,11 +349,12 @@ class VllmMetricsCollector(HttpCollector[VllmMetricsObservation]):
         return obs
 
 
-_fam_gauges: dict[int, Gauge] = {}
+# one gauge per registry; weak keys (an id() key was reused by later registries, which then got no gauge)
+_fam_gauges: weakref.WeakKeyDictionary[CollectorRegistry, Gauge] = weakref.WeakKeyDictionary()
 
 
 def _family_gauge(registry: CollectorRegistry) -> Gauge:
-    g = _fam_gauges.get(id(registry))
+    g = _fam_gauges.get(registry)
     if g is None:
         g = Gauge(
             "kvtier_vllm_metric_families",
@@ -322,5 +362,5 @@ def _family_gauge(registry: CollectorRegistry) -> Gauge:
             ["collector", "state"],
             registry=registry,
         )
-        _fam_gauges[id(registry)] = g
+        _fam_gauges[registry] = g
     return g
