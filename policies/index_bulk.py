@@ -229,7 +229,7 @@ def _allocate(
     got = idx._slot.get_many(keys)
     untracked = got < 0
     got[untracked] = cand[untracked]
-    idx._slot.put_many(keys[untracked], cand[untracked])
+    idx._slot.put_absent(keys[untracked], cand[untracked])  # distinct (sorted unique) and absent
     is_new = got == cand
     if not is_new.all():
         free.extend(cand[~is_new].tolist())

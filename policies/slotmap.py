@@ -269,23 +269,52 @@ class SlotMap:
             self._rehash(bits)
         self._insert_new(nk, nv)
 
+    def put_absent(self, keys: npt.NDArray[np.int64], values: npt.NDArray[np.int64]) -> None:
+        """Insert distinct ``keys`` the caller knows are absent (no duplicate check, no lookup first)."""
+        k = np.ascontiguousarray(keys, dtype=np.int64).ravel()
+        v = np.ascontiguousarray(values, dtype=np.int64).ravel()
+        if k.shape != v.shape:
+            raise ValueError("keys and values differ in length")
+        if k.size == 0:
+            return
+        if (v == EMPTY).any():
+            raise ValueError("SlotMap cannot store its EMPTY sentinel as a value")
+        bits = self._bits
+        while int((1 << bits) * MAX_LOAD) < self._n + k.shape[0]:
+            bits += 1
+        if bits != self._bits:
+            self._rehash(bits)
+        self._insert_new(k, v)
+
     def _insert_new(self, keys: npt.NDArray[np.int64], vals: npt.NDArray[np.int64]) -> None:
-        """Insert distinct keys known to be absent (room already ensured)."""
+        """Insert distinct keys known to be absent (room already ensured).
+
+        Each round, every pending key looks at its current bucket; of the keys reaching one free bucket the
+        last scattered one takes it (no sort: the keys column of a free bucket is scratch space, freeness is
+        the value column), the rest probe on. The last few keys of long probe runs go the scalar way."""
         ks, vs, m = self._keys, self._vals, self._mask
         act = np.arange(keys.shape[0], dtype=np.int64)
         pos = self._homes(keys)
-        while act.size:
+        while act.size > _SCALAR_TAIL:
             fi = np.flatnonzero(vs[pos] == EMPTY)
             if fi.size:
-                # several keys may reach the same free bucket: the first of them takes it, the rest probe on
-                _, first = np.unique(pos[fi], return_index=True)
-                w = fi[first]
+                p = pos[fi]
+                ks[p] = fi  # scratch: the last writer per free bucket wins it
+                w = fi[ks[p] == fi]
                 ks[pos[w]] = keys[act[w]]
                 vs[pos[w]] = vals[act[w]]
                 keep = np.ones(act.size, np.bool_)
                 keep[w] = False
+                # losers' buckets hold a winner's key now; theirs were free scratch before
                 act, pos = act[keep], pos[keep]
             pos = (pos + 1) & m
+        if act.size:
+            mv = self._mv
+            for i, key, value in zip(pos.tolist(), keys[act].tolist(), vals[act].tolist(), strict=True):
+                while mv[2 * i + 1] != EMPTY:
+                    i = (i + 1) & m
+                mv[2 * i] = key
+                mv[2 * i + 1] = value
         self._n += keys.shape[0]
 
     def _rehash(self, bits: int) -> None:

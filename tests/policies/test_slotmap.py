@@ -135,3 +135,31 @@ def test_logit_cache_remap_rescales_live_entries_and_drops_the_rest() -> None:
     assert c.remap("v", 20, lambda k, e: k + e / 10.0) == 2  # events >= 20 kept (rescaled), event 10 dropped
     assert c.get(slots, ev, "v", compute).tolist() == [33.0, 10.0, 77.0]
     assert calls == [[30, 10, 70], [10]]  # only the dropped entry was computed again
+
+
+@pytest.mark.parametrize("clustered", [False, True])
+def test_put_absent_bulk_inserts_equal_a_dict_through_growth(clustered: bool) -> None:
+    """Batches of distinct absent keys (incl. keys that share home buckets, so probe runs are long and the
+    scalar tail runs) through several rehashes: every key maps to its value, absent keys stay absent."""
+    rng = np.random.default_rng(7)
+    m = SlotMap(capacity=64)
+    ref: dict[int, int] = {}
+    for batch in range(12):
+        n = int(rng.integers(1, 5000))
+        if clustered:  # multiples of 2**52 share the top bits Fibonacci hashing looks at less -> collisions
+            keys = (np.arange(n, dtype=np.int64) + 10_000 * batch) << np.int64(11)
+        else:
+            keys = rng.integers(-(2**63), 2**63 - 1, size=n, dtype=np.int64)
+        keys = np.unique(keys[~np.isin(keys, np.fromiter(ref, dtype=np.int64, count=len(ref)))])
+        vals = rng.integers(0, 2**40, size=keys.size, dtype=np.int64)
+        m.put_absent(keys, vals)
+        ref.update(zip(keys.tolist(), vals.tolist(), strict=True))
+        assert len(m) == len(ref)
+    k = np.fromiter(ref, dtype=np.int64, count=len(ref))
+    assert m.get_many(k).tolist() == [ref[x] for x in k.tolist()]
+    assert all(m.get(x) == ref[x] for x in k[:300].tolist())
+    probe = rng.integers(-(2**63), 2**63 - 1, size=2000, dtype=np.int64)
+    probe = probe[~np.isin(probe, k)]
+    assert (m.get_many(probe) == -1).all()
+    with pytest.raises(ValueError):
+        m.put_absent(np.array([1, 2], dtype=np.int64), np.array([EMPTY, 3], dtype=np.int64))
