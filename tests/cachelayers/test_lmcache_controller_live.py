@@ -20,6 +20,7 @@ import pytest
 
 from tests.peers.lmcache_controller import ControllerCluster, run_in_netns
 from tests.peers.procs import free_port, start, stop, wait_for
+from tests.peers.sidecar_probe import cache_layer, down_report
 
 pytestmark = pytest.mark.lmcache
 
@@ -115,14 +116,8 @@ def _own_view(url: str) -> dict[str, Any]:
                               for w in ws)}
 
 
-def _sidecar_layer(sidecar: str, name: str) -> dict[str, Any]:
-    layers = {c["name"]: c for c in httpx.get(sidecar + "/v1/status", timeout=5).json()["cache_layers"]}
-    out: dict[str, Any] = layers[name]
-    return out
-
-
 def _sidecar_view(sidecar: str, name: str) -> dict[str, Any]:
-    lt = _sidecar_layer(sidecar, name)["latest"]
+    lt = cache_layer(sidecar, name)["latest"]
     return {k: lt[k] for k in ("total_key_count", "instance_count", "worker_count", "keys_by_instance")} | {
         "workers": sorted([w["instance_id"], w["worker_id"], w["ip"], w["port"], w["key_count"]]
                           for w in lt["workers"])}
@@ -151,22 +146,14 @@ def _serve_main(workdir: Path) -> dict[str, Any]:
                       new_session=False)
         out["empty"] = wait_for(lambda: _both_when_equal(sidecar, name, cl.url, 0), 60,
                                 "sidecar shows the empty controller", proc=serve, log=log)
-        layer = _sidecar_layer(sidecar, name)
+        layer = cache_layer(sidecar, name)
         out.update(name=name, kind=layer["kind"], url=layer["url"], controller_url=cl.url)
         out["store"] = cl.store(0, cl.chunk_size * 2)
         out["stored"] = wait_for(lambda: _both_when_equal(sidecar, name, cl.url, 2), 30,
                                  "sidecar shows the stored chunks", proc=serve, log=log)
         out["up_before_stop"] = httpx.get(sidecar + "/readyz", timeout=5).status_code == 200
         cl.stop()
-        ready = wait_for(lambda: (r := httpx.get(sidecar + "/readyz", timeout=5)).status_code == 503
-                         and name in r.json()["down"] and r.json(), 30, "readyz names the controller",
-                         proc=serve, log=log)  # fmt: skip
-        out["down"] = sorted(ready["down"])
-        out["storage_up"] = ready["collectors"].get("storage")
-        text = httpx.get(sidecar + "/metrics", timeout=5).text
-        want = f'kvtier_collector_errors_total{{collector="{name}"}} '
-        out["errors_total"] = sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(want))
-        out["fetch_errors"] = _sidecar_layer(sidecar, name)["health"]["errors_by_kind"].get("fetch", 0)
+        out.update(down_report(sidecar, name, "controller", serve, log))
     finally:
         stop(serve)
         cl.stop()

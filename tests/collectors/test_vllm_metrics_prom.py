@@ -17,7 +17,6 @@ Nothing is faked: real HTTP server, real Prometheus, real collector.
 from __future__ import annotations
 
 import asyncio
-import http.server
 import math
 import random
 
@@ -28,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from kvtier.collectors.vllm_metrics import EngineSample, VllmMetricsCollector
 from tests.collectors.vllm_text import HIST, EngineState, render
 from tests.e2e import prom as promlib
-from tests.peers.http_server import serving
+from tests.peers.http_server import MetricsText, metrics_text_handler, serving
 from tests.peers.procs import wait_for
 
 pytestmark = pytest.mark.prometheus
@@ -63,26 +62,6 @@ def _states() -> tuple[list[EngineState], list[EngineState]]:
     return a, b
 
 
-class _Text:
-    text = ""
-
-
-def _handler(state: type[_Text]) -> type[http.server.BaseHTTPRequestHandler]:
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server API
-            body = state.text.encode()  # one read: a scrape sees A or B, never a mix
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *a: object) -> None:
-            pass
-
-    return H
-
-
 def _sample_times(prom: promlib.Prometheus, engine: EngineState, family: str) -> list[tuple[float, float]]:
     sel = f'{family}_count{{model_name="{engine.model}",engine="{engine.engine}"}}[5m]'
     (series,) = prom.query(sel)
@@ -115,10 +94,8 @@ def _assert_same(
 def test_window_quantiles_equal_prometheus_histogram_quantile() -> None:
     a, b = _states()
 
-    class State(_Text):
-        pass
-
-    State.text = render(a)
+    state = MetricsText()
+    state.text = render(a)
     reg = CollectorRegistry()
     times = iter([0.0, 5.0, 10.0])
 
@@ -129,13 +106,13 @@ def test_window_quantiles_equal_prometheus_histogram_quantile() -> None:
                 "vllm_metrics:p", url, client=client, registry=reg, clock=lambda: next(times)
             )
             for text in (render(a), render(a), render(b)):
-                State.text = text
+                state.text = text
                 obs = await c.poll()
                 assert obs is not None, c.health
                 out.append(list(obs.engines))
         return out
 
-    with serving(_handler(State)) as url, promlib.running({"vllm": [url.split("/")[2]]}) as prom:
+    with serving(metrics_text_handler(state)) as url, promlib.running({"vllm": [url.split("/")[2]]}) as prom:
         family = HIST["ttft"][0]
         n_a, n_b = len(a[0].ttft), len(b[0].ttft)
 

@@ -19,3 +19,28 @@ def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+class MetricsText:
+    """The exposition text a :func:`metrics_text_handler` serves; tests set :attr:`text` between scrapes."""
+
+    text: str = ""
+
+
+def metrics_text_handler(state: MetricsText) -> type[http.server.BaseHTTPRequestHandler]:
+    """A handler answering every GET with ``state.text`` as Prometheus text (read once per request, so a
+    scrape sees one text or the next, never a mix; undecodable characters pass through as surrogates)."""
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server API
+            body = state.text.encode("utf-8", "surrogateescape")
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    return H
