@@ -262,11 +262,7 @@ class SlotMap:
         if not new.any():
             return
         nk, nv = k[new], v[new]
-        bits = self._bits
-        while int((1 << bits) * MAX_LOAD) < self._n + nk.shape[0]:
-            bits += 1
-        if bits != self._bits:
-            self._rehash(bits)
+        self._reserve(nk.shape[0])
         self._insert_new(nk, nv)
 
     def put_absent(self, keys: npt.NDArray[np.int64], values: npt.NDArray[np.int64]) -> None:
@@ -279,12 +275,16 @@ class SlotMap:
             return
         if (v == EMPTY).any():
             raise ValueError("SlotMap cannot store its EMPTY sentinel as a value")
+        self._reserve(k.shape[0])
+        self._insert_new(k, v)
+
+    def _reserve(self, extra: int) -> None:
+        """Grow the table (one rehash) so ``extra`` more entries stay within ``MAX_LOAD``."""
         bits = self._bits
-        while int((1 << bits) * MAX_LOAD) < self._n + k.shape[0]:
+        while int((1 << bits) * MAX_LOAD) < self._n + extra:
             bits += 1
         if bits != self._bits:
             self._rehash(bits)
-        self._insert_new(k, v)
 
     def _insert_new(self, keys: npt.NDArray[np.int64], vals: npt.NDArray[np.int64]) -> None:
         """Insert distinct keys known to be absent (room already ensured).
