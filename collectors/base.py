@@ -149,11 +149,15 @@ class Collector(ABC, Generic[RawT, ObsT]):
         self._ok(now)
         return obs
 
-    def count_error(self, kind: str, detail: object = "") -> None:
-        """Count one skipped bad input (e.g. a malformed frame) without marking the collector down."""
-        self.metrics.errors.labels(collector=self.name).inc()
-        self.health.errors_by_kind[kind] = self.health.errors_by_kind.get(kind, 0) + 1
-        log.warning("%s: %s error: %s", self.name, kind, detail)
+    def count_error(self, kind: str, detail: object = "", n: int = 1) -> None:
+        """Count ``n`` skipped bad inputs of one kind (e.g. malformed frames) with one log line, without
+        marking the collector down."""
+        self.metrics.errors.labels(collector=self.name).inc(n)
+        self.health.errors_by_kind[kind] = self.health.errors_by_kind.get(kind, 0) + n
+        if n == 1:
+            log.warning("%s: %s error: %s", self.name, kind, detail)
+        else:
+            log.warning("%s: %d %s errors: %s", self.name, n, kind, detail)
 
     def status(self) -> dict[str, Any]:
         """JSON-able status for ``/v1/status``: name, kind, health and the latest observation."""

@@ -328,19 +328,14 @@ class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
         else:
             st.held = batch
 
-    def _count(self, kind: str, n: int, detail: str) -> None:
-        """Count ``n`` skipped bad inputs of one kind with one log line."""
-        self.metrics.errors.labels(collector=self.name).inc(n)
-        self.health.errors_by_kind[kind] = self.health.errors_by_kind.get(kind, 0) + n
-        log.warning("%s: %d %s error(s): %s", self.name, n, kind, detail)
-
     def _apply(self, st: _SourceState, batch: DecodedBatch) -> None:
         if batch.skipped:
-            self._count("event", batch.skipped, f"malformed/unknown events in batch {batch.seq}")
+            self.count_error("event", f"malformed/unknown events in batch {batch.seq}", batch.skipped)
         if batch.unknown_media:
             media = sorted({repr(m)[:40] for m in batch.unknown_media})
-            self._count("unknown_medium", len(batch.unknown_media),
-                        f"events with an unknown medium {', '.join(media)} in batch {batch.seq}")  # fmt: skip
+            self.count_error("unknown_medium",
+                             f"events with an unknown medium {', '.join(media)} in batch {batch.seq}",
+                             len(batch.unknown_media))  # fmt: skip
         try:
             self.ingestor.apply(self.engine, batch, st.label)
         except (DecodeError, ValueError, OverflowError) as exc:
