@@ -161,7 +161,7 @@ class KvIngestor:
         ev["BlockStored"] += n_stored
         ev["BlockRemoved"] += n_removed
         ev["AllBlocksCleared"] += n_cleared
-        if len(self._q.key) >= self.flush_every:  # the ingestor queues column ops only (no tuples)
+        if len(self._q) >= self.flush_every:
             self.flush()
 
     def clear_source(self, engine: str, source: str | None = None) -> int:

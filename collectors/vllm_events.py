@@ -301,11 +301,7 @@ def decode_frames(frames: list[bytes]) -> DecodedBatch:
     if len(frames) != 3:
         raise DecodeError(f"expected 3 frames (topic, seq, payload), got {len(frames)}")
     topic, seq_b, payload = frames
-    if len(seq_b) != 8:
-        raise DecodeError(f"sequence frame has {len(seq_b)} bytes, expected 8")
-    seq = int.from_bytes(seq_b, "big")  # parse_seq inlined (hot path)
-    if seq == _MASK64:
-        seq = -1
+    seq = parse_seq(seq_b)
     ts, events, dp, skipped, unknown = decode_payload(payload)
     topic_b = topic if type(topic) is bytes else bytes(topic)
     return DecodedBatch(topic_b, seq, ts, events, dp, skipped, unknown)
