@@ -218,10 +218,8 @@ class Sidecar:
     # ---- views --------------------------------------------------------------------------------------------
     def tier_view(self) -> TierView:
         """Per-tier hits, lookups and holdings from the latest vLLM and LMCache MP observations."""
-        from kvtier.collectors.lmcache_mp import LMCacheMPSample
-
         engines = [e for mc in self.metrics_collectors if mc.latest is not None for e in mc.latest.engines]
-        layers = [c.latest for c in self.cache_collectors if isinstance(c.latest, LMCacheMPSample)]
+        layers = [c.latest for c in self.cache_collectors if c.kind == "lmcache_mp" and c.latest is not None]
         return build_tier_view(engines, layers)
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:

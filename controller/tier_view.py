@@ -19,16 +19,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector as PromCollector
 
-from kvtier.collectors.lmcache_mp import LMCacheMPSample
-from kvtier.collectors.vllm_metrics import EngineSample
-from kvtier.policies.tiers import TIER_ORDER, Tier
+from kvtier.controller.tier_metrics import TIER_NAMES
+from kvtier.policies.tiers import Tier
 
-TIER_NAMES: tuple[str, ...] = tuple(t.value for t in TIER_ORDER)
+if TYPE_CHECKING:
+    from kvtier.collectors.lmcache_mp import LMCacheMPSample
+    from kvtier.collectors.vllm_metrics import EngineSample
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,28 +76,28 @@ class TierViewExporter(PromCollector):
         self.view = view
 
     def collect(self) -> Iterable[Metric]:
-        v = self.view()
-        hits = CounterMetricFamily("kvtier_tier_hit_tokens", "Prefix tokens served from the tier.",
-                                   labels=["tier"])  # fmt: skip
-        used = GaugeMetricFamily("kvtier_tier_used_bytes", "Bytes resident in the tier.", labels=["tier"])
-        cap = GaugeMetricFamily("kvtier_tier_capacity_bytes", "Capacity of the tier, bytes.", labels=["tier"])
-        objs = GaugeMetricFamily("kvtier_tier_objects", "KV chunks the cache layer holds in the tier.",
-                                 labels=["tier"])  # fmt: skip
-        for t in TIER_NAMES:
-            hits.add_metric([t], v.hit_tokens.get(t, 0.0))
-            objs.add_metric([t], float(v.objects.get(t, 0)))
-        # bytes only where a peer reports them: a made-up 0 capacity would turn used/capacity into +Inf
-        for t, b in v.used_bytes.items():
-            used.add_metric([t], b)
-        for t, b in v.capacity_bytes.items():
-            cap.add_metric([t], b)
-        lookups = CounterMetricFamily("kvtier_lookup_tokens", "Prefix tokens looked up (vLLM prefix cache).")
-        lookups.add_metric([], v.lookup_tokens)
-        yield from (hits, lookups, used, cap, objs)
+        return _families(self.view())
 
     def describe(self) -> Iterable[Metric]:
         """Names only, so the registry catches a clash with another exporter of these families."""
-        yield CounterMetricFamily("kvtier_tier_hit_tokens", "", labels=["tier"])
-        yield CounterMetricFamily("kvtier_lookup_tokens", "")
-        for name in ("kvtier_tier_used_bytes", "kvtier_tier_capacity_bytes", "kvtier_tier_objects"):
-            yield GaugeMetricFamily(name, "", labels=["tier"])
+        return _families(TierView())
+
+
+def _families(v: TierView) -> list[Metric]:
+    hits = CounterMetricFamily("kvtier_tier_hit_tokens", "Prefix tokens served from the tier.",
+                               labels=["tier"])  # fmt: skip
+    used = GaugeMetricFamily("kvtier_tier_used_bytes", "Bytes resident in the tier.", labels=["tier"])
+    cap = GaugeMetricFamily("kvtier_tier_capacity_bytes", "Capacity of the tier, bytes.", labels=["tier"])
+    objs = GaugeMetricFamily("kvtier_tier_objects", "KV chunks the cache layer holds in the tier.",
+                             labels=["tier"])  # fmt: skip
+    for t in TIER_NAMES:
+        hits.add_metric([t], v.hit_tokens.get(t, 0.0))
+        objs.add_metric([t], float(v.objects.get(t, 0)))
+    # bytes only where a peer reports them: a made-up 0 capacity would turn used/capacity into +Inf
+    for t, b in v.used_bytes.items():
+        used.add_metric([t], b)
+    for t, b in v.capacity_bytes.items():
+        cap.add_metric([t], b)
+    lookups = CounterMetricFamily("kvtier_lookup_tokens", "Prefix tokens looked up (vLLM prefix cache).")
+    lookups.add_metric([], v.lookup_tokens)
+    return [hits, lookups, used, cap, objs]
