@@ -153,7 +153,10 @@ class BlockIndex:
         if max_blocks is not None and max_blocks <= 0:
             raise ValueError(f"max_blocks must be > 0, got {max_blocks}")
         self.max_blocks = max_blocks
-        self._slot = SlotMap()  # int64 key -> slot (numpy open addressing: ~16-32 B per block)
+        cap = max(16, initial_capacity if max_blocks is None else min(initial_capacity, max_blocks))
+        # int64 key -> slot (numpy open addressing: ~16-32 B per block), sized like the slot arrays so a
+        # growing index does not rehash it from 1,024 entries up
+        self._slot = SlotMap(cap)
         self._free: list[int] = []
         self._n = 0  # high-water mark of used slots
         self.reclaimed = 0  # slots reclaimed under max_blocks pressure
@@ -163,7 +166,6 @@ class BlockIndex:
         # rows whose access stats (freq, gap EWMA) changed: touches and slot drops (:meth:`touched_since`)
         self._touch_log = SlotLog()
         self.last_access_max = -np.inf  # latest access time ever written (ms): readers skip age clamps
-        cap = max(16, initial_capacity if max_blocks is None else min(initial_capacity, max_blocks))
         self._alloc(cap)
 
     # ---- storage -------------------------------------------------------------------------------------

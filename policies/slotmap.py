@@ -322,7 +322,34 @@ class SlotMap:
         k, v = self._keys[live], self._vals[live]
         self._alloc(bits)
         self._n = 0
-        self._insert_new(k, v)
+        self._place_sorted(k, v)
+
+    def _place_sorted(self, keys: npt.NDArray[np.int64], vals: npt.NDArray[np.int64]) -> None:
+        """Insert distinct keys into an empty table in one pass: in order of home bucket, each key takes
+        ``max(its home, the previous key's bucket + 1)`` -- a valid linear-probing layout (every bucket
+        between a key's home and its bucket is taken). Keys pushed past the last bucket wrap around (scalar).
+        The table's old order is nearly sorted by the new homes, so the stable sort is close to linear."""
+        n = keys.shape[0]
+        if n == 0:
+            return
+        h = self._homes(keys)
+        o = np.argsort(h, kind="stable")
+        hs = h[o]
+        i = np.arange(n, dtype=np.int64)
+        p = np.maximum.accumulate(hs - i) + i
+        cut = int(np.searchsorted(p, self._mask + 1))  # p increases: keys from cut on ran off the end
+        ko, vo = keys[o], vals[o]
+        self._keys[p[:cut]] = ko[:cut]
+        self._vals[p[:cut]] = vo[:cut]
+        if cut < n:
+            mv, m = self._mv, self._mask
+            for key, value in zip(ko[cut:].tolist(), vo[cut:].tolist(), strict=True):
+                j = ((key * _GOLD) & _M64) >> self._shift
+                while mv[2 * j + 1] != EMPTY:
+                    j = (j + 1) & m
+                mv[2 * j] = key
+                mv[2 * j + 1] = value
+        self._n += n
 
     def items(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """(keys, values) of all entries (table order)."""

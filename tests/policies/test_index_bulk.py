@@ -9,7 +9,16 @@ import numpy as np
 import pytest
 
 from kvtier.policies.index import BlockIndex
-from kvtier.policies.index_bulk import REMOVE, STORE, TOUCH, TOUCH_CHAIN, OpQueue, _slow, apply_ops
+from kvtier.policies.index_bulk import (
+    REMOVE,
+    STORE,
+    TOUCH,
+    TOUCH_CHAIN,
+    OpQueue,
+    _slow,
+    apply_ops,
+    stable_argsort,
+)
 
 
 def stream(seed: int, n_req: int = 300) -> OpQueue:
@@ -82,3 +91,15 @@ def test_bulk_equals_one_by_one(seed: int, window: int) -> None:
         assert sa.children == sb.children and sa.resident_children == sb.resident_children
         assert sa.first_seen_ms == sb.first_seen_ms
         np.testing.assert_allclose(sa.gap_ewma_ms, sb.gap_ewma_ms, rtol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "n, distinct", [(0, 1), (1, 1), (2, 1), (50, 3), (5000, 40), (20_000, 19_000), (9, 9)]
+)
+def test_stable_argsort_equals_numpys_stable_sort(n: int, distinct: int) -> None:
+    """Few distinct values (long tie runs), mostly distinct ones, extremes of int64, no ties at all."""
+    rng = np.random.default_rng(n)
+    vals = rng.integers(-(2**63), 2**63 - 1, size=distinct, dtype=np.int64)
+    vals[: min(2, distinct)] = [np.iinfo(np.int64).min, np.iinfo(np.int64).max][: min(2, distinct)]
+    x = vals[rng.integers(0, distinct, size=n)] if distinct < n else rng.permutation(vals)[:n]
+    assert stable_argsort(x).tolist() == np.argsort(x, kind="stable").tolist()

@@ -163,3 +163,37 @@ def test_put_absent_bulk_inserts_equal_a_dict_through_growth(clustered: bool) ->
     assert (m.get_many(probe) == -1).all()
     with pytest.raises(ValueError):
         m.put_absent(np.array([1, 2], dtype=np.int64), np.array([EMPTY, 3], dtype=np.int64))
+
+
+def test_rehash_places_keys_whose_probe_runs_wrap_past_the_last_bucket() -> None:
+    """Keys hashed into the last buckets of the table: the one-pass placement of a rehash pushes some of them
+    past the end, so they wrap to bucket 0. Every key stays reachable, also after deletions (backward shift
+    across the wrap) and further inserts, equal to a dict."""
+    from kvtier.policies.slotmap import _GOLD, _M64
+
+    inv = pow(_GOLD, -1, 1 << 64)  # Fibonacci hashing is a bijection: pick the hashes, derive the keys
+
+    def key_with_hash(h: int) -> int:
+        k = (h * inv) & _M64
+        return k - (1 << 64) if k >= 1 << 63 else k
+
+    top = [key_with_hash(_M64 - (j << 40)) for j in range(300)]  # homes in the top buckets at any size
+    low = [key_with_hash(j << 50) for j in range(40)]  # homes in the first buckets (the wrapped keys' path)
+    m = SlotMap(capacity=16)
+    ref: dict[int, int] = {}
+    for i, k in enumerate(low + top):  # scalar puts, several rehashes on the way
+        m.put(k, i)
+        ref[k] = i
+        assert m.get(k) == i
+    m._rehash(m._bits + 1)  # one more (a rehash of a full run at the end)
+    assert dict(zip(*(a.tolist() for a in m.items()), strict=True)) == ref
+    assert m.get_many(np.array(list(ref), dtype=np.int64)).tolist() == list(ref.values())
+    for k in top[::3] + low[::4]:
+        assert m.pop(k) == ref.pop(k)
+    for k, v in ref.items():
+        assert m.get(k) == v
+    more = [key_with_hash(_M64 - (j << 40) - 1) for j in range(50)]
+    m.put_many(np.array(more, dtype=np.int64), np.arange(50, dtype=np.int64) + 10_000)
+    ref.update(zip(more, range(10_000, 10_050), strict=True))
+    assert len(m) == len(ref)
+    assert m.get_many(np.array(list(ref), dtype=np.int64)).tolist() == list(ref.values())
