@@ -374,18 +374,24 @@ class Planner:
                 continue
             room[spec.tier] = 0
             need = count - low
-            cand = np.flatnonzero((tier_mask & bit) != 0)  # (on bool: ~3x faster than on the uint8 bits)
-            prot = _held_by_pins(cand, spec.tier, view, pins, pinned_rows)
-            rec = recent[cand]
-            plan.held["pinned"] += int(np.count_nonzero(prot))
-            plan.held["hysteresis"] += int(np.count_nonzero(rec & ~prot))
-            cand = cand[~prot & ~rec]
-            if cand.size == 0:
+            # a mask until the value bounds have cut it down (the tier can hold 100k+ rows)
+            cand_m = (tier_mask & bit) != 0
+            if pins:
+                pr = np.flatnonzero(cand_m & pinned_rows)
+                prot = pr[_held_by_pins(pr, spec.tier, view, pins, pinned_rows)]
+                plan.held["pinned"] += int(prot.size)
+                cand_m[prot] = False
+            rec = cand_m & recent
+            plan.held["hysteresis"] += int(np.count_nonzero(rec))
+            cand_m ^= rec
+            n_cand, rank = int(np.count_nonzero(cand_m)), spec.tier.rank
+            if n_cand == 0:
                 continue
-            n_cand, rank = cand.size, spec.tier.rank
             kk = min(need, cfg.max_candidates_per_tier, ops_cap)
             if n_cand > 8 * kk:  # only rows that can be among the kk lowest values (exact)
-                cand = bounds().lowest_candidates(cand, kk, rank, functools.partial(val, rank=rank))
+                cand = bounds().lowest_in_mask(cand_m, n_cand, kk, rank, functools.partial(val, rank=rank))
+            else:
+                cand = np.flatnonzero(cand_m)
             v_here = val(cand, rank)
             take = _smallest(v_here, kk)
             order, v_order = cand[take], v_here[take]
@@ -494,26 +500,34 @@ class Planner:
         here = (tier_mask & bit) != 0
         out: list[tuple[int, float, Move]] = []
         k_max = min(self.config.max_candidates_per_tier, self._ops_cap())  # per-tick bound (tick latency)
-        # drop what the policy no longer holds, lowest value first
-        shed = np.flatnonzero(here & ~want)
-        if pins and shed.size:
-            keep = _held_by_pins(shed, spec.tier, view, pins, pinned_rows)
-            plan.held["pinned"] += int(keep.sum())
-            shed = shed[~keep]
-        fill = np.flatnonzero(want & ~here & ~pinned_rows)
+        # drop what the policy no longer holds, lowest value first. Both sides stay masks until the
+        # value bounds have cut them down: the policy's diff can be 100k+ rows where k_max moves fit
+        shed_m = here & ~want
+        if pins:
+            pr = np.flatnonzero(shed_m & pinned_rows)
+            if pr.size:
+                keep = _held_by_pins(pr, spec.tier, view, pins, pinned_rows)
+                plan.held["pinned"] += int(keep.sum())
+                shed_m[pr[keep]] = False
+        fill_m = want & ~here
+        fill_m &= ~pinned_rows
+        n_shed, n_fill = int(np.count_nonzero(shed_m)), int(np.count_nonzero(fill_m))
         bounds = None
-        if max(shed.size, fill.size) > 8 * k_max:
+        if max(n_shed, n_fill) > 8 * k_max:
             bounds = value_bounds()
-        if shed.size:
+        if n_shed:
             rank = spec.tier.rank
-            if shed.size > k_max:
-                self._beyond(plan, "evict", shed.size - k_max)
+            if n_shed > k_max:
+                self._beyond(plan, "evict", n_shed - k_max)
                 if bounds is not None:  # only rows that can be among the k_max lowest values (exact)
-                    shed = bounds.lowest_candidates(shed, k_max, rank, lambda r: val(r, rank))
+                    shed = bounds.lowest_in_mask(shed_m, n_shed, k_max, rank, lambda r: val(r, rank))
+                else:
+                    shed = np.flatnonzero(shed_m)
                 v_here = val(shed, rank)
                 take = _smallest(v_here, k_max)
                 shed, v_here = shed[take], v_here[take]
             else:
+                shed = np.flatnonzero(shed_m)
                 v_here = val(shed, rank)
             nxt = specs[i + 1].tier if i + 1 < len(specs) else None
             v_next = val(shed, nxt.rank) if nxt is not None else np.zeros(shed.size)
@@ -529,20 +543,20 @@ class Planner:
                     continue
                 out.append((1, -m.value_s, m))
         # add what it holds: promote from a slower copy, else admit (stored from the engine / recomputed)
-        want_fill = fill.size
-        if fill.size:
+        if n_fill:
             slower_bits = np.uint8(~((bit << 1) - 1) & 0xFF)
 
             def gain_of(rows: npt.NDArray[np.intp]) -> npt.NDArray[np.float64]:
                 return val(rows, spec.tier.rank) - val(rows, _FIRST_RANK[tier_mask[rows] & slower_bits])
 
+            if n_fill > k_max and bounds is not None:  # only rows that can be among the k_max best
+                fill = bounds.highest_gain_in_mask(fill_m, n_fill, k_max, spec.tier.rank, tier_mask, gain_of)
+            else:
+                fill = np.flatnonzero(fill_m)
             src_rank = _FIRST_RANK[tier_mask[fill] & slower_bits]
-            if fill.size > k_max and bounds is not None:  # only rows that can be among the k_max best
-                fill = bounds.highest_gain_candidates(fill, src_rank, k_max, spec.tier.rank, gain_of)
-                src_rank = _FIRST_RANK[tier_mask[fill] & slower_bits]
             gain = val(fill, spec.tier.rank) - val(fill, src_rank)
-            if want_fill > k_max:
-                self._beyond(plan, "admit", want_fill - k_max)
+            if n_fill > k_max:
+                self._beyond(plan, "admit", n_fill - k_max)
                 take = _largest(gain, k_max)
                 fill, gain, src_rank = fill[take], gain[take], src_rank[take]
             for j, r in enumerate(fill.tolist()):
@@ -750,6 +764,7 @@ class _ValueBounds:
             self.tok_max = float(tok.max()) if len(view) else 0.0
         self.nb_min = float(view.nbytes.min()) if len(view) else 0.0
         self.nb_max = float(view.nbytes.max()) if len(view) else 0.0
+        self._pnn: bool | None = None
 
     def _p(self, rows: npt.NDArray[np.intp]) -> npt.NDArray[np.floating[Any]] | None:
         pr = self.p.take(rows)  # (the view's float32: products with float64 arrays are exact float64)
@@ -776,6 +791,77 @@ class _ValueBounds:
         # p * a_lo <= theta, as one comparison in P's own type against a cut rounded up (keeps a superset)
         cut = np.nextafter(pr.dtype.type(theta / a_lo * (1.0 + 1e-9)), pr.dtype.type(np.inf))
         return rows[pr <= cut]
+
+    def _p_nonneg(self) -> bool:
+        """P is >= 0 on every row (no NaN): a bound may be applied to a whole mask (checked once)."""
+        if self._pnn is None:
+            self._pnn = bool((self.p >= 0.0).all())
+        return self._pnn
+
+    @staticmethod
+    def _mask_sample(mask: npt.NDArray[np.bool_], count: int, k: int) -> npt.NDArray[np.intp]:
+        """About ``64 k`` of the ``count`` rows set in ``mask``, strided over all rows (ascending)."""
+        pos = np.arange(0, mask.shape[0], max(1, count // (64 * k)), dtype=np.intp)
+        return pos[mask[pos]]
+
+    def lowest_in_mask(
+        self,
+        mask: npt.NDArray[np.bool_],
+        count: int,
+        k: int,
+        rank: int,
+        value: Callable[[npt.NDArray[np.intp]], npt.NDArray[np.float64]],
+    ) -> npt.NDArray[np.intp]:
+        """:meth:`lowest_candidates` of ``np.flatnonzero(mask)`` (``count`` rows), without listing them all:
+        the probe is a strided sample of the mask and the cut one pass over P (the same comparison)."""
+        a_lo = self.tok_min * self.c - self.nb_max / float(self.bw[rank])
+        if count > 4 * k and a_lo > 0.0 and self._p_nonneg():
+            sample = self._mask_sample(mask, count, k)
+            if sample.size >= k:
+                ps = self.p.take(sample)
+                probe = sample[np.argpartition(ps, 4 * k)[: 4 * k]] if sample.size > 4 * k else sample
+                theta = float(np.partition(value(probe), k - 1)[k - 1])  # >= the k-th lowest of the mask
+                cut = np.nextafter(self.p.dtype.type(theta / a_lo * (1.0 + 1e-9)), self.p.dtype.type(np.inf))
+                keep = self.p <= cut
+                keep &= mask
+                return np.flatnonzero(keep)
+        return self.lowest_candidates(np.flatnonzero(mask), k, rank, value)
+
+    def highest_gain_in_mask(
+        self,
+        mask: npt.NDArray[np.bool_],
+        count: int,
+        k: int,
+        rank: int,
+        tier_mask: npt.NDArray[np.uint8],
+        gain: Callable[[npt.NDArray[np.intp]], npt.NDArray[np.float64]],
+    ) -> npt.NDArray[np.intp]:
+        """:meth:`highest_gain_candidates` of ``np.flatnonzero(mask)`` (``count`` rows; sources from
+        ``tier_mask``) without listing them all: a strided sample gives the threshold, one pass over P
+        against the largest source bound keeps a superset, which is then cut by each row's own bound."""
+        slower = np.uint8(~((1 << (rank + 1)) - 1) & 0xFF)
+        if count > 4 * k and self._p_nonneg():
+            sample = self._mask_sample(mask, count, k)
+            if sample.size >= k:
+                b = self.source_gain_bounds(rank)
+                bs = self.p.take(sample) * b[_FIRST_RANK[tier_mask[sample] & slower]]
+                probe = sample[np.argpartition(-bs, 4 * k)[: 4 * k]] if sample.size > 4 * k else sample
+                theta = float(-np.partition(-gain(probe), k - 1)[k - 1])  # <= the k-th highest of the mask
+                if not theta > 0.0:
+                    return np.flatnonzero(mask)
+                b_max = float(b[rank + 1 :].max())
+                if not b_max > 0.0:
+                    return np.zeros(0, np.intp)  # no row's gain can be positive
+                # p * b_max >= p * b[src] >= theta: a cut on P alone, rounded down (keeps a superset)
+                ft = self.p.dtype.type
+                cut = np.nextafter(ft(theta / b_max * (1.0 - 1e-9)), ft(-np.inf))
+                keep = self.p >= cut
+                keep &= mask
+                rows = np.flatnonzero(keep)
+                bound = self.p.take(rows) * b[_FIRST_RANK[tier_mask[rows] & slower]]
+                return rows[bound >= theta]
+        rows = np.flatnonzero(mask)
+        return self.highest_gain_candidates(rows, _FIRST_RANK[tier_mask[rows] & slower], k, rank, gain)
 
     def highest_gain_candidates(
         self,

@@ -188,22 +188,31 @@ def test_desired_tier_pruned_ranking_equals_ranking_every_candidate(
     kept: list[tuple[int, int]] = []
     vb = planner_mod._ValueBounds
     lowest, highest = vb.lowest_candidates, vb.highest_gain_candidates
+    lowest_m, highest_m = vb.lowest_in_mask, vb.highest_gain_in_mask
 
     def spy(fn):  # type: ignore[no-untyped-def]
         def f(self, rows, *a):  # type: ignore[no-untyped-def]
             out = fn(self, rows, *a)
-            kept.append((rows.size, out.size))
+            kept.append((rows.size if rows.dtype != np.bool_ else int(rows.sum()), out.size))
             return out
 
         return f
 
-    monkeypatch.setattr(planner_mod._ValueBounds, "lowest_candidates", spy(lowest))
-    monkeypatch.setattr(planner_mod._ValueBounds, "highest_gain_candidates", spy(highest))
+    for name, fn in (
+        ("lowest_candidates", lowest),
+        ("highest_gain_candidates", highest),
+        ("lowest_in_mask", lowest_m),
+        ("highest_gain_in_mask", highest_m),
+    ):
+        monkeypatch.setattr(vb, name, spy(fn))
     pruned = Planner(c).plan(v, 10.0, desired={Tier.CPU: want})
-    # shed + fill of the desired tier, and the gpu tier's watermark shedding: each pruned
+    # shed + fill of the desired tier (bounded on their masks), and the gpu tier's watermark shedding: each
+    # pruned (the mask variants do not call the row variants when their sample is usable)
     assert len(kept) == 3 and all(after < before / 3 for before, after in kept)
-    monkeypatch.setattr(planner_mod._ValueBounds, "lowest_candidates", lambda self, rows, *a: rows)
-    monkeypatch.setattr(planner_mod._ValueBounds, "highest_gain_candidates", lambda self, rows, *a: rows)
+    monkeypatch.setattr(vb, "lowest_candidates", lambda self, rows, *a: rows)
+    monkeypatch.setattr(vb, "highest_gain_candidates", lambda self, rows, *a: rows)
+    monkeypatch.setattr(vb, "lowest_in_mask", lambda self, mask, *a: np.flatnonzero(mask))
+    monkeypatch.setattr(vb, "highest_gain_in_mask", lambda self, mask, *a: np.flatnonzero(mask))
     full = Planner(c).plan(v, 10.0, desired={Tier.CPU: want})
     assert len(pruned.moves) > 400
     assert [(m.action, m.block, m.src, m.dst, m.value_s) for m in pruned.moves] == [
@@ -276,3 +285,55 @@ def test_promotion_candidates_from_the_probe_equal_ranking_every_qualifying_row(
         for m in full.moves  # type: ignore[attr-defined]
     ]
     assert pruned.tried == full.tried and pruned.deferred == full.deferred  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("shape", ["random", "clustered", "sparse", "nan", "negative"])
+def test_mask_bounds_keep_the_exact_top_k(shape: str) -> None:
+    """The mask variants of the value bounds (sampled probe, one cut over P) keep every row of the exact k
+    lowest values / k highest gains of the mask, in ascending row order; a mask whose strided sample is too
+    thin (one dense run, a few rows) and a P with NaN or negative entries fall back to the row variants."""
+    from kvtier.policies.planner import _FIRST_RANK, _smallest, _ValueBounds
+
+    rng = np.random.default_rng(len(shape))
+    n, k = 120_000, 50
+    p = (rng.random(n) ** 2).astype(np.float32)
+    mask = rng.random(n) < 0.3
+    if shape == "clustered":
+        mask[:] = False
+        mask[70_000:75_000] = True
+    elif shape == "sparse":
+        mask = rng.random(n) < 0.003
+    elif shape == "nan":
+        p[rng.choice(n, 40, replace=False)] = np.nan
+    elif shape == "negative":
+        p[rng.choice(n, 40, replace=False)] = -0.5
+    tier_mask = rng.choice(np.array([0, 2, 4, 6, 8], np.uint8), n)
+    v = BlockView(
+        np.arange(1, n + 1, dtype=np.int64),
+        tier_mask,
+        rng.integers(1, 64, n).astype(np.int32),
+        rng.integers(1 << 14, 1 << 20, n).astype(np.int64),
+        p,
+        np.zeros(n, np.bool_),
+    )
+    bw = np.array([1e12, 2e10, 2e9, 1e9, 1e9])
+    vb = _ValueBounds(v, bw, 1e-4)
+
+    def value(rows: np.ndarray, rank: int | np.ndarray) -> np.ndarray:
+        return p[rows].astype(np.float64) * (v.tokens[rows] * 1e-4 - v.nbytes[rows] / bw[rank])
+
+    every = np.flatnonzero(mask)
+    lo = vb.lowest_in_mask(mask, every.size, k, 1, lambda r: value(r, 1))
+    assert (np.diff(lo) > 0).all() and np.isin(lo, every).all()
+    v_all = value(every, 1)
+    assert set(every[_smallest(v_all, k)].tolist()) <= set(lo.tolist())
+    slower = np.uint8(~((1 << 2) - 1) & 0xFF)
+
+    def gain(rows: np.ndarray) -> np.ndarray:
+        return value(rows, 1) - value(rows, _FIRST_RANK[tier_mask[rows] & slower])
+
+    hi = vb.highest_gain_in_mask(mask, every.size, k, 1, tier_mask, gain)
+    assert np.isin(hi, every).all()
+    assert set(every[_smallest(-gain(every), k)].tolist()) <= set(hi.tolist())
+    if shape == "random":
+        assert lo.size < every.size / 3 and hi.size < every.size / 3  # the bounds did cut
