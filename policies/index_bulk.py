@@ -245,11 +245,8 @@ def _allocate(
     cand[:from_free] = cand_l
     cand[from_free:] = np.arange(idx._n, idx._n + fresh)
     idx._n += fresh
-    # setdefault per (distinct) key: the existing slot, else the candidate
-    got = idx._slot.get_many(keys)
-    untracked = got < 0
-    got[untracked] = cand[untracked]
-    idx._slot.put_absent(keys[untracked], cand[untracked])  # distinct (sorted unique) and absent
+    # setdefault per (distinct) key: the existing slot, else the candidate (one probing pass)
+    got = idx._slot.get_or_put(keys, cand)
     is_new = got == cand
     if not is_new.all():
         free.extend(cand[~is_new].tolist())

@@ -278,6 +278,59 @@ class SlotMap:
         self._reserve(k.shape[0])
         self._insert_new(k, v)
 
+    def get_or_put(self, keys: npt.NDArray[np.int64], values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """For distinct ``keys``: each one's value if present, else insert ``values[i]`` and return it. One
+        probing pass for both (a present key is met before any free bucket on its probe run)."""
+        k = np.ascontiguousarray(keys, dtype=np.int64).ravel()
+        v = np.ascontiguousarray(values, dtype=np.int64).ravel()
+        if k.shape != v.shape:
+            raise ValueError("keys and values differ in length")
+        if k.size == 0:
+            return v.copy()
+        if (v == EMPTY).any():
+            raise ValueError("SlotMap cannot store its EMPTY sentinel as a value")
+        self._reserve(k.shape[0])
+        ks, vs, m = self._keys, self._vals, self._mask
+        out = v.copy()
+        act = np.arange(k.shape[0], dtype=np.int64)
+        pos = self._homes(k)
+        added = 0
+        while act.size > _SCALAR_TAIL:
+            bv = vs[pos]
+            free = bv == EMPTY
+            done = ~free
+            done &= ks[pos] == k[act]  # present: keep its value
+            hit = np.flatnonzero(done)
+            if hit.size:
+                out[act[hit]] = bv[hit]
+            fi = np.flatnonzero(free)
+            if fi.size:  # as _insert_new: the last scattered key per free bucket takes it
+                p = pos[fi]
+                ks[p] = fi
+                w = fi[ks[p] == fi]
+                ks[pos[w]] = k[act[w]]
+                vs[pos[w]] = v[act[w]]
+                done[w] = True
+                added += w.size
+            keep = ~done
+            act, pos = act[keep], (pos[keep] + 1) & m
+        if act.size:
+            mv = self._mv
+            for a, i, key in zip(act.tolist(), pos.tolist(), k[act].tolist(), strict=True):
+                while True:
+                    b = mv[2 * i + 1]
+                    if b == EMPTY:
+                        mv[2 * i] = key
+                        mv[2 * i + 1] = int(out[a])
+                        added += 1
+                        break
+                    if mv[2 * i] == key:
+                        out[a] = b
+                        break
+                    i = (i + 1) & m
+        self._n += added
+        return out
+
     def _reserve(self, extra: int) -> None:
         """Grow the table (one rehash) so ``extra`` more entries stay within ``MAX_LOAD``."""
         bits = self._bits

@@ -197,3 +197,37 @@ def test_rehash_places_keys_whose_probe_runs_wrap_past_the_last_bucket() -> None
     ref.update(zip(more, range(10_000, 10_050), strict=True))
     assert len(m) == len(ref)
     assert m.get_many(np.array(list(ref), dtype=np.int64)).tolist() == list(ref.values())
+
+
+@pytest.mark.parametrize("scalar", [False, True])
+@pytest.mark.parametrize("clustered", [False, True])
+def test_get_or_put_is_a_setdefault_per_key(
+    clustered: bool, scalar: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches of distinct keys, part present and part new (clustered keys: long probe runs), through
+    growth: present keys keep and return their value, new ones get the offered value, and the map equals a
+    dict after each batch. ``scalar``: every key takes the scalar probing tail."""
+    if scalar:
+        monkeypatch.setattr("kvtier.policies.slotmap._SCALAR_TAIL", 1 << 30)
+    rng = np.random.default_rng(11)
+    m = SlotMap(capacity=64)
+    ref: dict[int, int] = {}
+    for batch in range(10):
+        n = int(rng.integers(1, 4000))
+        if clustered:
+            fresh = (np.arange(n, dtype=np.int64) + 7_000 * batch) << np.int64(11)
+        else:
+            fresh = rng.integers(-(2**63), 2**63 - 1, size=n, dtype=np.int64)
+        old = np.fromiter(ref, dtype=np.int64, count=len(ref))
+        old = old[rng.random(old.size) < 0.3]
+        keys = rng.permutation(np.unique(np.concatenate([fresh, old])))
+        vals = rng.integers(0, 2**40, size=keys.size, dtype=np.int64)
+        got = m.get_or_put(keys, vals)
+        assert got.tolist() == [
+            ref.setdefault(k, v) for k, v in zip(keys.tolist(), vals.tolist(), strict=True)
+        ]
+        assert len(m) == len(ref)
+    k = np.fromiter(ref, dtype=np.int64, count=len(ref))
+    assert m.get_many(k).tolist() == [ref[x] for x in k.tolist()]
+    with pytest.raises(ValueError):
+        m.get_or_put(np.array([1, 2], dtype=np.int64), np.array([EMPTY, 3], dtype=np.int64))
