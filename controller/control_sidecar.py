@@ -80,6 +80,8 @@ class ControlledSidecar(Sidecar):
                 options["model_name"] = discover_model(engine_url, field="root") or model
             acts.append(make_actuator(name, engine_url=engine_url, engine_model=model,
                                       lmcache_url=settings.lmcache_urls[0] if settings.lmcache_urls else None,
+                                      lmcache_controller_url=settings.lmcache_controller_urls[0]
+                                      if settings.lmcache_controller_urls else None,
                                       options=options, **extra))  # fmt: skip
         self.tracer_provider = make_tracer_provider()
         self.plane = build_control_plane(

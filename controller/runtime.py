@@ -46,12 +46,14 @@ def make_actuator(
     engine_url: str | None,
     engine_model: str,
     lmcache_url: str | None = None,
+    lmcache_controller_url: str | None = None,
     options: dict[str, Any] | None = None,
     **kw: Any,
 ) -> Actuator:
     """Build a named actuator (``--actuator NAME``). ``shadow`` and ``vllm-warmup`` are built here; the
     cache-layer adapters come from :mod:`kvtier.controller.actuators.registry` with ``options`` (their
-    factory keyword arguments, ``KVTIER_ACTUATOR_OPTIONS``) plus ``url`` from ``--lmcache-url``."""
+    factory keyword arguments, ``KVTIER_ACTUATOR_OPTIONS``) plus ``url`` from ``--lmcache-url``
+    (``lmcache-mp``) or ``--lmcache-controller-url`` (``lmcache-controller``) unless the options set one."""
     if name == "shadow":
         from kvtier.controller.actuators.shadow import ShadowActuator
 
@@ -69,6 +71,10 @@ def make_actuator(
         if not lmcache_url:
             raise ValueError("--actuator lmcache-mp needs --lmcache-url")
         opts["url"] = lmcache_url
+    if name == "lmcache-controller" and "url" not in opts:
+        if not lmcache_controller_url:
+            raise ValueError("--actuator lmcache-controller needs --lmcache-controller-url")
+        opts["url"] = lmcache_controller_url
     if name not in registry.names():
         raise ValueError(f"unknown actuator {name!r}; known: {', '.join(ACTUATOR_NAMES)}")
     try:

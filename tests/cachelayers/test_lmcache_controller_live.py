@@ -98,6 +98,13 @@ def test_serve_shows_the_controllers_workers_and_key_counts(served: dict[str, An
     assert c["workers"][0][:2] == ["standalone0", 0]
 
 
+def test_serve_builds_the_controller_actuator_from_the_controller_url(served: dict[str, Any]) -> None:
+    """``--actuator lmcache-controller`` needs no URL option: it uses ``--lmcache-controller-url``."""
+    acts = {a["name"]: a for a in served["actuators"]}
+    assert "lmcache-controller" in acts and acts["lmcache-controller"]["health"]["breaker"] == "closed"
+    assert {"pin", "lookup", "clear", "move"} <= set(acts["lmcache-controller"]["capabilities"])
+
+
 def test_serve_readyz_names_the_down_controller_and_counts_errors(served: dict[str, Any]) -> None:
     assert served["up_before_stop"] is True
     assert served["down"] == [served["name"]] and served["storage_up"] is True
@@ -140,14 +147,19 @@ def _serve_main(workdir: Path) -> dict[str, Any]:
         sidecar = f"http://127.0.0.1:{port}"
         name = f"lmcache_controller:127.0.0.1:{cl.http_port}"
         log = workdir / "serve.log"
+        # the actuator takes its URL from --lmcache-controller-url too (only the worker id is an option)
         serve = start([sys.executable, "-m", "kvtier", "serve", "--lmcache-controller-url", cl.url,
+                       "--actuator", "lmcache-controller",
                        "--listen", f"127.0.0.1:{port}", "--state-dir", str(workdir / "state")], log,
-                      env={"KVTIER_SCRAPE_INTERVAL_S": "0.3", "KVTIER_STORAGE_INTERVAL_S": "0.3"},
+                      env={"KVTIER_SCRAPE_INTERVAL_S": "0.3", "KVTIER_STORAGE_INTERVAL_S": "0.3",
+                           "KVTIER_ACTUATOR_OPTIONS": json.dumps({"lmcache-controller":
+                                                                  {"instance_id": "standalone0"}})},
                       new_session=False)
         out["empty"] = wait_for(lambda: _both_when_equal(sidecar, name, cl.url, 0), 60,
                                 "sidecar shows the empty controller", proc=serve, log=log)
         layer = cache_layer(sidecar, name)
         out.update(name=name, kind=layer["kind"], url=layer["url"], controller_url=cl.url)
+        out["actuators"] = httpx.get(sidecar + "/v1/status", timeout=5).json()["controller"]["actuators"]
         out["store"] = cl.store(0, cl.chunk_size * 2)
         out["stored"] = wait_for(lambda: _both_when_equal(sidecar, name, cl.url, 2), 30,
                                  "sidecar shows the stored chunks", proc=serve, log=log)
