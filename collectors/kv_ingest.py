@@ -23,6 +23,7 @@ call it (or use :meth:`KvIngestor.flushed_index`) before querying the index.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -37,6 +38,8 @@ from kvtier.collectors.vllm_events import (
 from kvtier.policies.index import BlockIndex
 from kvtier.policies.index_bulk import REMOVE, STORE, TOUCH, TOUCH_CHAIN, OpQueue, apply_ops
 from kvtier.policies.tiers import TIER_ORDER, Tier
+
+log = logging.getLogger(__name__)
 
 EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 _RANK = {t: i for i, t in enumerate(TIER_ORDER)}  # index accepts int ranks without name lookups
@@ -84,11 +87,23 @@ class KvIngestor:
         self._res: dict[Tier, set[int]] = {t: set() for t in TIER_ORDER}
         self._extra: dict[Tier, dict[int, int]] = {t: {} for t in TIER_ORDER}
         self.counts: dict[str, SourceCounts] = defaultdict(SourceCounts)  # engine label -> counters
+        self.index_skipped = 0  # queued index operations skipped because the index was full
 
     # ---- queries ----------------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Apply the queued index operations now."""
-        apply_ops(self.index, self._q)
+        """Apply the queued index operations now. Block stores that do not fit a full index (``max_blocks``
+        reached, nothing reclaimable) are skipped, counted in :attr:`index_skipped` and logged; residency
+        (:meth:`blocks_tracked`) is kept apart from the index and stays exact."""
+        skipped = apply_ops(self.index, self._q)
+        if skipped:
+            if not self.index_skipped:
+                log.warning(
+                    "block index full (%s blocks, all resident or with children): %d block stores not "
+                    "indexed; counted in index_skipped (raise KVTIER_INDEX_MAX_BLOCKS)",
+                    self.index.max_blocks,
+                    skipped,
+                )
+            self.index_skipped += skipped
 
     def flushed_index(self) -> BlockIndex:
         """The index with every received event applied."""

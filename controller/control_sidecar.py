@@ -20,6 +20,7 @@ from kvtier.controller.runtime import ControlPlane, build_control_plane, make_ac
 from kvtier.controller.settings import Settings
 from kvtier.controller.sidecar import Sidecar
 from kvtier.controller.tracing import make_tracer, make_tracer_provider
+from kvtier.policies.index import BlockIndex
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class ControlledSidecar(Sidecar):
     """:class:`Sidecar` + :class:`ControlPlane`: ``/v1/status`` gains mode, actuator health, last tick."""
 
     def __init__(self, settings: Settings, **kw: Any) -> None:
-        ing = kw.pop("ingestor", None) or ControlIngestor()
+        ing = kw.pop("ingestor", None) or ControlIngestor(BlockIndex(max_blocks=settings.index_max_blocks))
         super().__init__(settings, ingestor=ing, **kw)
         engine_url = settings.engine_urls[0] if settings.engine_urls else None
         model = settings.engine_model or (discover_model(engine_url) if engine_url else "")

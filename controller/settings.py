@@ -69,6 +69,9 @@ class Settings(BaseSettings):
     replay_timeout_s: float = Field(default=2.0, gt=0)
     # largest KV-event seq step (batches) confirming a held out-of-sequence batch (vllm_kv_subscriber)
     max_seq_gap: int = Field(default=10_000, gt=0)
+    # blocks the sidecar's index tracks at most (~250 B each); beyond it the stalest blocks resident nowhere
+    # are forgotten. Resident blocks are never dropped: stores that do not fit are counted and skipped
+    index_max_blocks: int = Field(default=2_000_000, gt=0)
     storage_enabled: bool = True
     storage_root: str = "/"  # prefix for /proc and /sys (tests use canned trees)
     storage_devices: Annotated[list[str] | None, NoDecode] = None  # None: all but loop/ram

@@ -28,6 +28,7 @@ from kvtier.collectors.vllm_kv_subscriber import KvEventSubscriber
 from kvtier.collectors.vllm_metrics import VllmMetricsCollector, VllmMetricsObservation
 from kvtier.controller.settings import Settings
 from kvtier.controller.tier_view import TierView, TierViewExporter, build_tier_view
+from kvtier.policies.index import BlockIndex
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,18 @@ class KvMetricsExporter(PromCollector):
                                     labels=["tier"])  # fmt: skip
         for tier, n in ing.blocks_tracked().items():
             tracked.add_metric([tier], n)
-        yield from (ev, blk, lost, rep, tracked)
+        idx = ing.index
+        size = GaugeMetricFamily("kvtier_index_blocks", "Blocks in the sidecar's index (resident or not).")
+        size.add_metric([], len(idx))
+        reclaimed = CounterMetricFamily(
+            "kvtier_index_reclaimed_blocks", "Non-resident blocks the index forgot to stay within its bound."
+        )
+        reclaimed.add_metric([], idx.reclaimed)
+        skipped = CounterMetricFamily(
+            "kvtier_index_skipped_ops", "Index updates skipped: the index was full of resident blocks."
+        )
+        skipped.add_metric([], ing.index_skipped)
+        yield from (ev, blk, lost, rep, tracked, size, reclaimed, skipped)
 
 
 class Sidecar:
@@ -91,7 +103,7 @@ class Sidecar:
         self.client = client or httpx.AsyncClient(timeout=settings.http_timeout_s)
         self._owns_client = client is None
         self.clock = clock
-        self.ingestor = ingestor or KvIngestor()
+        self.ingestor = ingestor or KvIngestor(BlockIndex(max_blocks=settings.index_max_blocks))
         self.zctx = zmq.asyncio.Context()
         self.metrics_collectors: list[VllmMetricsCollector] = []
         self.subscribers: list[KvEventSubscriber] = []
@@ -270,6 +282,9 @@ class Sidecar:
         return {
             "blocks_tracked": ing.blocks_tracked(),
             "index_blocks": len(ing.index),
+            "index_max_blocks": ing.index.max_blocks,
+            "index_reclaimed": ing.index.reclaimed,
+            "index_skipped": ing.index_skipped,
             "kv_events_received": sum(sum(v.values()) for v in received.values()),
             "kv_events_received_by_engine": received,
             "kv_events_lost": sum(s.lost for s in self.subscribers),

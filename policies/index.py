@@ -295,28 +295,50 @@ class BlockIndex:
         k = max(1, min(cand.size, self.capacity // 16))
         if k < cand.size:
             cand = cand[np.argpartition(self.last_access[cand], k - 1)[:k]]
-        for s in cand.tolist():
-            self._drop_slot(s)
+        self._drop_slots(cand)
         self.reclaimed += int(cand.size)
 
-    def _drop_slot(self, s: int) -> None:
-        p = int(self.parent[s])
-        if p >= 0:
-            self.n_children[p] -= 1
-        self._slot.pop(int(self.hash[s]))
-        self.used[s] = False
-        self.parent[s] = -1
-        self.depth[s] = 0
-        self.tiers[s] = 0
-        self.freq[s] = 0
-        self.last_gap[s] = np.nan
-        self.gap_ewma[s] = np.nan
-        self._touch_log.add(s)
-        if self.nbytes[s]:
-            self.set_nbytes(s, 0)
-        self.n_children[s] = 0
-        self.res_children[s] = 0
-        self._free.append(s)
+    def room(self) -> int | None:
+        """Blocks that can still be tracked without reclaiming (None: no ``max_blocks`` bound)."""
+        if self.max_blocks is None:
+            return None
+        return self.max_blocks - self._n + len(self._free)
+
+    def make_room(self, k: int) -> None:
+        """Reclaim (:meth:`_reclaim`, in bulk) until ``k`` more blocks fit under ``max_blocks``; raises
+        :class:`IndexFullError` when nothing more can be reclaimed (all resident or with children)."""
+        room = self.room()
+        while room is not None and room < k:
+            self._reclaim()
+            room = self.room()
+
+    def _drop_slots(self, slots: npt.NDArray[np.intp]) -> None:
+        """Forget distinct childless slots (reclaimed): unlink, reset their fields, free them (the map
+        deletions stay scalar)."""
+        if slots.size == 0:
+            return
+        par = self.parent[slots].astype(np.int64)
+        par = par[par >= 0]
+        if par.size:
+            np.subtract.at(self.n_children, par, 1)
+        pop = self._slot.pop
+        for key in self.hash[slots].tolist():
+            pop(key)
+        self.used[slots] = False
+        self.parent[slots] = -1
+        self.depth[slots] = 0
+        self.tiers[slots] = 0
+        self.freq[slots] = 0
+        self.last_gap[slots] = np.nan
+        self.gap_ewma[slots] = np.nan
+        self._touch_log.extend(slots)
+        sized = slots[self.nbytes[slots] != 0]
+        if sized.size:
+            self.nbytes[sized] = 0
+            self.note_nbytes_changed(sized)
+        self.n_children[slots] = 0
+        self.res_children[slots] = 0
+        self._free.extend(slots.tolist())
 
     # ---- updates --------------------------------------------------------------------------------------
     def _ensure(self, key: int, parent_key: int | None, t: float) -> int:

@@ -10,7 +10,7 @@ round (the one-by-one path needs it tracked before the child's store).
 
 Operation codes: STORE (key, parent key or None, tier rank, t ms), REMOVE (key, tier rank), TOUCH (key, t ms),
 TOUCH_CHAIN (key, t ms: the key and every tracked ancestor are accessed). Keys are 64-bit hashes, signed or
-unsigned. Falls back to the one-by-one path when ``max_blocks`` would force reclaiming.
+unsigned. Under ``max_blocks``, room is reclaimed in bulk before a window is applied (:func:`apply_ops`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from itertools import chain
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.policies.index import BlockIndex, to_key
+from kvtier.policies.index import BlockIndex, IndexFullError, to_key
 
 STORE, REMOVE, TOUCH, TOUCH_CHAIN = 0, 1, 2, 3
 _STORE_P, _STORE_C = 4, 5  # internal: STORE with a parent key in OpQueue.pkey / with the previous op's key
@@ -272,10 +272,16 @@ def _allocate(
     return got, is_new
 
 
-def _slow(idx: BlockIndex, q: OpQueue) -> None:
+def _slow(idx: BlockIndex, q: OpQueue) -> int:
+    """Apply one by one; a STORE that finds the index full (nothing reclaimable) is skipped. Returns the
+    number of operations skipped."""
+    skipped = 0
     for op, k, p, r, t in q.tuples():
         if op == STORE:
-            idx.store(k, p, r, 0, t)
+            try:
+                idx.store(k, p, r, 0, t)
+            except IndexFullError:
+                skipped += 1
         elif op == REMOVE:
             idx.remove(k, r)
         elif op == TOUCH:
@@ -287,6 +293,7 @@ def _slow(idx: BlockIndex, q: OpQueue) -> None:
                 idx.touch(idx.hash_of(s), t)
                 s = int(idx.parent[s])
                 steps += 1
+    return skipped
 
 
 def _first_flags(x: I64) -> npt.NDArray[np.bool_]:
@@ -298,13 +305,16 @@ def _first_flags(x: I64) -> npt.NDArray[np.bool_]:
     return f
 
 
-def apply_ops(idx: BlockIndex, q: OpQueue) -> None:
-    """Apply and clear the queued operations."""
+def apply_ops(idx: BlockIndex, q: OpQueue) -> int:
+    """Apply and clear the queued operations. Under ``max_blocks``, room for this window's new blocks is
+    reclaimed first (the stalest blocks resident nowhere and without children, in bulk); when not enough
+    can be, the window goes one by one and the STOREs that still do not fit are skipped. Returns the number
+    of operations skipped (0 unless the index is full of resident blocks or blocks with children)."""
     if q.ops:
         q._spill_tuples()
     n = len(q.key)
     if not n:
-        return
+        return 0
     codes, ts = q.columns()
     op = codes & 7
     ranks = (codes >> 3).astype(np.int64)
@@ -326,6 +336,13 @@ def apply_ops(idx: BlockIndex, q: OpQueue) -> None:
     g = gs[sp]
     fm = _first_flags(g)
     st_g, st_i = g[fm], order[sp[fm]]
+    if idx.max_blocks is not None and st_g.size:
+        try:  # before any lookup: reclaiming frees slots (a key looked up afterwards is simply untracked)
+            idx.make_room(st_g.size)
+        except IndexFullError:
+            skipped = _slow(idx, q)
+            q.clear()
+            return skipped
     uslot = np.full(uk.size, -1, dtype=np.int64)
     lone = np.ones(uk.size, dtype=np.bool_)
     lone[st_g] = False
@@ -335,10 +352,10 @@ def apply_ops(idx: BlockIndex, q: OpQueue) -> None:
     first_new = np.full(uk.size, -1, dtype=np.int64)  # op index of the first STORE of a newly tracked key
     if st_g.size:
         got = _allocate(idx, uk[st_g], ts[st_i])
-        if got is None:
-            _slow(idx, q)
+        if got is None:  # (make_room left enough room: not reached)
+            skipped = _slow(idx, q)
             q.clear()
-            return
+            return skipped
         uslot[st_g] = got[0]
         first_new[st_g[got[1]]] = st_i[got[1]]
     slots = uslot[inv]
@@ -453,3 +470,4 @@ def apply_ops(idx: BlockIndex, q: OpQueue) -> None:
             ptr[inner] = ptr[j]
         idx.depth[ls] = (add + idx.depth[ptr]).astype(idx.depth.dtype)
     q.clear()
+    return 0
