@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
 import subprocess
@@ -305,7 +306,43 @@ def traffic(stack: Stack, prometheus: promlib.Prometheus) -> int:
     # needs two samples of the new series, so wait until Prometheus holds two of each
     for name in LATE_COUNTERS:
         prometheus.wait_until(f"min(count_over_time({name}[2m]))", lambda v: v >= 2, timeout_s=120)
+    # the read-latency panel needs device reads inside a storage window; a warm page cache may leave the
+    # machine without any, so make some (cold reads of a file on the repo's disk) until the sidecar saw them
+    scratch = REPO / "out" / "cold-read.bin"
+    scratch.parent.mkdir(exist_ok=True)
+    try:
+        wait_for(
+            lambda: (
+                cold_reads(scratch)
+                and prometheus.query("count(kvtier_storage_device_read_latency_milliseconds)")
+            ),
+            120,
+            "device reads seen by the storage collector",
+            interval_s=1.0,
+        )
+    finally:
+        scratch.unlink(missing_ok=True)
     return sent
+
+
+def cold_reads(path: Path, mib: int = 8) -> int:
+    """Read ``mib`` MiB from the block device under ``path``: write and fsync a file, drop its pages from the
+    page cache (``posix_fadvise DONTNEED``), read it back. Returns the bytes read."""
+    chunk = random.Random(mib).randbytes(1 << 20)
+    with open(path, "wb") as f:
+        for _ in range(mib):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        n = 0
+        while b := os.read(fd, 1 << 20):
+            n += len(b)
+        return n
+    finally:
+        os.close(fd)
 
 
 def test_every_dashboard_query_returns_data(
