@@ -734,16 +734,19 @@ class LearnedPolicy(Policy):
             mask |= pl.resident[:n]
         res = np.flatnonzero(mask)
         z = np.full(n, -10.0)  # a block whose access fell out of the ring: treat as cold
-        zh = np.full(n, -10.0) if any(pl.heuristic for pl in planners) else z
+        zh = np.full(n, -10.0)  # the same for the heuristic-keyed planners
+        need_m = any(not pl.heuristic for pl in planners)
+        need_h = any(pl.heuristic for pl in planners)
         if res.size:
             ev = self._last_event[res]
             live = ev > self._n_events - self._E
             ev, res = ev[live], res[live]
             for i in range(0, ev.shape[0], _REKEY_CHUNK):  # bounded temporaries (features, bins)
                 e = ev[i : i + _REKEY_CHUNK]
-                z[res[i : i + _REKEY_CHUNK]] = self._logit_of_events(e)
-                if zh is not z:
-                    zh[res[i : i + _REKEY_CHUNK]] = fallback_logit(np.asarray(self._ev_x[e % self._E]))
+                if need_m:
+                    z[res[i : i + _REKEY_CHUNK]] = self._logit_of_events(e)
+                if need_h:
+                    zh[res[i : i + _REKEY_CHUNK]] = fallback_logit(self._ev_x[e % self._E])
         last_s = self._last_ms[:n] / 1000.0
         for pl in planners:
             own = pl is self._real and not self._aliased()
