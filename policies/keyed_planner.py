@@ -21,9 +21,11 @@ _I64 = np.int64
 class KeyedPlanner:
     """Residency + eviction state of one prefix-closed cache of ``capacity`` blocks."""
 
-    def __init__(self, capacity: int, mult: float, size: int) -> None:
+    def __init__(self, capacity: int, mult: float, size: int, heuristic: bool = False) -> None:
         self.capacity = capacity
         self.mult = mult
+        # keyed by the fixed heuristic log-odds (the learned policy's fallback) instead of the model's
+        self.heuristic = heuristic
         self.resident = np.zeros(size, dtype=bool)
         self.res_children = np.zeros(size, dtype=np.int32)
         self.key = np.zeros(size, dtype=np.float64)
@@ -115,6 +117,7 @@ class KeyedPlanner:
         """An independent copy (residency, keys, heap)."""
         out = KeyedPlanner.__new__(KeyedPlanner)
         out.capacity, out.mult, out.n_resident = self.capacity, self.mult, self.n_resident
+        out.heuristic = self.heuristic
         out.n_lead = self.n_lead
         out.resident = self.resident.copy()
         out.res_children = self.res_children.copy()

@@ -10,9 +10,13 @@ resident set stays prefix-closed. Admission is a bypass: a missed block is inser
 the smallest key, dropped again with the rest of the request.
 
 Experts: full-size shadow caches serve every request too -- the learned planner alone at recency scales
-``tau x learned_mults`` and the classic policies named in ``experts`` (default ARC). The real cache
-follows the one with a significant paired lead in prefix-hit tokens (>= ``switch_margin`` x) over a
-decayed window; on a switch it keeps its contents and from then on ranks by its own learned key plus
+``tau x learned_mults`` (default x0.1, x1), the same planner keyed by the fixed heuristic (the fallback's
+log-odds and time scale) at ``heuristic_mults`` (default x16: the frequency-weighted expert; the model's
+labels lag by the horizon, so a model-keyed x16 ranked by a regime that was over), and the classic
+policies named in ``experts`` (default ARC). The real cache follows the one with a significant paired
+lead in prefix-hit tokens (>= ``switch_margin`` x) over a decayed window; on a switch it keeps its
+contents and from then on ranks by its own key (the followed keyed expert's; while a classic expert is
+followed, that of the keyed expert with the most recent tokens, ``classic_key`` "best") plus
 ``lead_bias`` log-odds for the blocks the new leader holds (a soft preference: a block the leader
 dropped can still outrank a leader-held one with much lower odds, so a short-lived or noisy lead costs
 little; no block appears without a miss).
@@ -55,6 +59,11 @@ _I64 = np.int64
 # past the horizon the labels lag by; log_gap2_s stays optional
 DEFAULT_EXTRA_FEATURES: tuple[str, ...] = ("log_life_s", "first_log_seen")
 DEFAULT_EXPERTS = ("arc",)  # classic policies shadowed at full size as experts next to the learned planner
+# recency scales of the planners keyed by the model, and of those keyed by the fixed heuristic (the
+# fallback). Round 11: the frequency-weighted expert is heuristic-keyed; the model's labels lag by the
+# horizon, so at x16 it ranked by a regime that was over (round 10's set: (0.1, 1, 16) and ())
+DEFAULT_LEARNED_MULTS: tuple[float, ...] = (0.1, 1.0)
+DEFAULT_HEURISTIC_MULTS: tuple[float, ...] = (16.0,)
 _REKEY_CHUNK = 16384  # rows per model call when re-keying every resident block after a refit
 _LEAD_BIAS = 3.0  # log-odds added to the real cache's key of a block the followed expert holds
 
@@ -75,7 +84,7 @@ class LearnedPolicy(Policy):
         min_class: int = 200,
         tau_mode: str = "gap",
         experts: tuple[str, ...] = DEFAULT_EXPERTS,
-        learned_mults: tuple[float, ...] = (0.1, 1.0, 16.0),
+        learned_mults: tuple[float, ...] = DEFAULT_LEARNED_MULTS,
         switch_every: int = 100,
         switch_margin: float = 1.01,
         switch_z: float = 0.5,
@@ -85,6 +94,8 @@ class LearnedPolicy(Policy):
         lead_bias: float = _LEAD_BIAS,
         home_z: float | None = None,
         extra_features: tuple[str, ...] = DEFAULT_EXTRA_FEATURES,
+        heuristic_mults: tuple[float, ...] = DEFAULT_HEURISTIC_MULTS,
+        classic_key: str = "best",
     ) -> None:
         super().__init__(capacity_blocks, seed=seed)
         unknown = [f for f in extra_features if f not in EXTRA_FEATURES]
@@ -103,6 +114,9 @@ class LearnedPolicy(Policy):
         self.switch_z = switch_z
         self.expert_decay = expert_decay
         self.lead_bias = lead_bias
+        if classic_key not in ("keep", "best"):
+            raise ValueError(f"learned: classic_key must be 'keep' or 'best', not {classic_key!r}")
+        self.classic_key = classic_key
         # evidence (standard errors) needed to leave the starting expert; None: switch_z like any other
         self.home_z = switch_z if home_z is None else home_z
         self.fallback_tau_s = 60.0
@@ -131,11 +145,16 @@ class LearnedPolicy(Policy):
         self._seen_before = 0
         # experts, each a full-size shadow cache over the same stream: 0 is the learned planner on its own,
         # then the classic policies named in ``experts``. The real cache follows the best recent one.
-        self._keyed = [KeyedPlanner(capacity_blocks, m, cap0) for m in learned_mults]
-        self._classic = [make_expert(e, capacity_blocks, seed, cap0) for e in experts if capacity_blocks > 0]
-        self.expert_names = ["learned" if m == 1.0 else f"learned-tau-x{m:g}" for m in learned_mults] + [
-            e for e in experts if capacity_blocks > 0
+        self._keyed = [KeyedPlanner(capacity_blocks, m, cap0) for m in learned_mults] + [
+            KeyedPlanner(capacity_blocks, m, cap0, heuristic=True) for m in heuristic_mults
         ]
+        self._classic = [make_expert(e, capacity_blocks, seed, cap0) for e in experts if capacity_blocks > 0]
+        self.expert_names = (
+            ["learned" if m == 1.0 else f"learned-tau-x{m:g}" for m in learned_mults]
+            + [f"heuristic-x{m:g}" for m in heuristic_mults]
+            + [e for e in experts if capacity_blocks > 0]
+        )
+        self._any_heuristic = bool(heuristic_mults)
         self._n_keyed = len(self._keyed)
         # membership of each classic expert's resident set, per slot (advisory: it only biases eviction)
         self._member = [np.zeros(cap0, dtype=bool) for _ in self._classic]
@@ -143,7 +162,11 @@ class LearnedPolicy(Policy):
         self._lead = learned_mults.index(recency_mult) if recency_mult in learned_mults else 0
         self._home = self._lead  # the starting expert (the model's own time scale by default)
         # the real cache is the leading learned expert itself until the first switch (see _maybe_alias)
-        aliased = bool(self._keyed) and self._keyed[self._lead].mult == recency_mult
+        aliased = (
+            bool(self._keyed)
+            and self._keyed[self._lead].mult == recency_mult
+            and not self._keyed[self._lead].heuristic
+        )
         self._real = self._keyed[self._lead] if aliased else KeyedPlanner(capacity_blocks, recency_mult, cap0)
         self._switches = 0
         # paired expert statistics over the same requests (decayed): per-expert prefix-hit tokens S, and
@@ -329,7 +352,11 @@ class LearnedPolicy(Policy):
         self._freq[slots] = freq + 1
         if known < n:
             self._turn[slots[new]] = turn + 1
-        base = z + now / 1000.0 / (self.tau_s * self._real.mult)
+        # heuristic-keyed planners use the fallback's log-odds and time scale, whatever the model
+        zh = fallback_logit(x) if self._any_heuristic else z
+        rh = self._real.heuristic
+        tau_real = self.fallback_tau_s if rh else self.tau_s
+        base = (zh if rh else z) + now / 1000.0 / (tau_real * self._real.mult)
         toks = self._tok_buf[self._n_buf]
         dropped: list[int] | npt.NDArray[np.int64] = []
         aliased = self._aliased()
@@ -338,7 +365,12 @@ class LearnedPolicy(Policy):
         # the learned planner on its own, at each recency scale
         for i, pl in enumerate(self._keyed):
             lost: list[int] = []
-            b = base if pl.mult == self._real.mult else z + now / 1000.0 / (self.tau_s * pl.mult)
+            if pl.mult == self._real.mult and pl.heuristic == rh:
+                b = base
+            elif pl.heuristic:
+                b = zh + now / 1000.0 / (self.fallback_tau_s * pl.mult)
+            else:
+                b = z + now / 1000.0 / (self.tau_s * pl.mult)
             h = pl.serve(slots, b, self._v_par, lost if i == self._lead else None)
             toks[i] = prefix_tokens(req, pl.n_lead)
             if i == self._lead:
@@ -440,7 +472,11 @@ class LearnedPolicy(Policy):
             return
         ex = self._keyed[self._lead]
         n = self._n_slots
-        if ex.mult == self._real.mult and np.array_equal(ex.resident[:n], self._real.resident[:n]):
+        if (
+            ex.mult == self._real.mult
+            and ex.heuristic == self._real.heuristic
+            and np.array_equal(ex.resident[:n], self._real.resident[:n])
+        ):
             self._real = ex
 
     def _lead_member(self) -> npt.NDArray[np.bool_]:
@@ -463,7 +499,9 @@ class LearnedPolicy(Policy):
         short traces does not switch.
         The real cache keeps its contents (hand-off): from now on blocks the new leader holds get
         ``lead_bias`` extra log-odds in its key, so it drifts towards the leader's set by its own misses,
-        never by teleporting blocks.
+        never by teleporting blocks. Its own key becomes the new leader's (model or heuristic, and its
+        recency scale); for a classic leader (no key of its own), with ``classic_key`` "best", that of
+        the keyed expert with the most recent tokens ("keep": unchanged, the round-10 behaviour).
         """
         c = self._lead
         best, best_z = -1, self.home_z if c == self._home else self.switch_z
@@ -491,6 +529,13 @@ class LearnedPolicy(Policy):
         self._lead = best
         if best < self._n_keyed:
             self._real.mult = self._keyed[best].mult
+            self._real.heuristic = self._keyed[best].heuristic
+        elif self.classic_key == "best" and self._n_keyed:
+            # following a classic expert: the real cache's own key (under the leader's bias) is that of
+            # the keyed expert with the most recent tokens, the one closest to the regime the leader wins
+            kb = int(np.argmax(self._ex_S[: self._n_keyed]))
+            self._real.mult = self._keyed[kb].mult
+            self._real.heuristic = self._keyed[kb].heuristic
         self._switches += 1
         self._rekey([self._real])
 
@@ -679,7 +724,7 @@ class LearnedPolicy(Policy):
         else:  # "gap": mean observed reuse gap within the horizon
             g = gap[(gap <= hz)]
             self.tau_s = float(np.clip(g.mean() / 1000.0, 1.0, hz / 1000.0)) if g.size else self.tau_s
-        self._rekey(self._planners())
+        self._rekey([p for p in self._planners() if not p.heuristic])  # heuristic keys do not change
 
     def _rekey(self, planners: list[KeyedPlanner]) -> None:
         """Recompute resident blocks' keys with the current model and tau (from stored access features)."""
@@ -689,12 +734,19 @@ class LearnedPolicy(Policy):
             mask |= pl.resident[:n]
         res = np.flatnonzero(mask)
         z = np.full(n, -10.0)  # a block whose access fell out of the ring: treat as cold
+        zh = np.full(n, -10.0)  # the same for the heuristic-keyed planners
+        need_m = any(not pl.heuristic for pl in planners)
+        need_h = any(pl.heuristic for pl in planners)
         if res.size:
             ev = self._last_event[res]
             live = ev > self._n_events - self._E
             ev, res = ev[live], res[live]
             for i in range(0, ev.shape[0], _REKEY_CHUNK):  # bounded temporaries (features, bins)
-                z[res[i : i + _REKEY_CHUNK]] = self._logit_of_events(ev[i : i + _REKEY_CHUNK])
+                e = ev[i : i + _REKEY_CHUNK]
+                if need_m:
+                    z[res[i : i + _REKEY_CHUNK]] = self._logit_of_events(e)
+                if need_h:
+                    zh[res[i : i + _REKEY_CHUNK]] = fallback_logit(self._ev_x[e % self._E])
         last_s = self._last_ms[:n] / 1000.0
         for pl in planners:
             own = pl is self._real and not self._aliased()
@@ -703,7 +755,10 @@ class LearnedPolicy(Policy):
                 lm = self._lead_member()[:n]
                 self._biased[:n] = lm
                 bias = np.where(lm, self.lead_bias, 0.0)
-            pl.rekey(z, last_s, self.tau_s, bias)
+            if pl.heuristic:
+                pl.rekey(zh, last_s, self.fallback_tau_s, bias)
+            else:
+                pl.rekey(z, last_s, self.tau_s, bias)
 
     def train_horizon_ms(self) -> float:
         """Training label horizon, ms: the cache's own time scale (mean age of recently evicted blocks),

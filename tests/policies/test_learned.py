@@ -162,7 +162,9 @@ def test_cli_max_requests_writes_the_first_lines_of_the_full_run(tmp_path: Path)
 
 def test_expert_switch_needs_a_significant_paired_lead() -> None:
     """Hand-set paired statistics: a noisy lead does not switch, a clear one does (and is logged)."""
-    pol = LearnedPolicy(100, learned_mults=(0.25, 1.0, 4.0), experts=(), switch_margin=1.03)
+    pol = LearnedPolicy(
+        100, learned_mults=(0.25, 1.0, 4.0), heuristic_mults=(), experts=(), switch_margin=1.03
+    )
     assert pol.expert_names == ["learned-tau-x0.25", "learned", "learned-tau-x4"]
     assert pol._real.mult == 1.0 and pol.quality()["expert"] == "learned"
     # expert 2 got 20 % more tokens, but per-request differences are so noisy the lead is < 1 s.e.
@@ -185,7 +187,9 @@ def test_expert_switch_needs_a_significant_paired_lead() -> None:
 def test_leaving_the_home_expert_takes_home_z_but_coming_back_takes_switch_z() -> None:
     """Asymmetric hysteresis: with ``home_z`` 2 a lead of 1.5 s.e. does not pull the real cache off its
     starting expert, 2.5 s.e. does; from there a 1 s.e. lead of the home expert is enough to return."""
-    pol = LearnedPolicy(100, learned_mults=(1.0, 8.0), experts=(), switch_margin=1.0, home_z=2.0)
+    pol = LearnedPolicy(
+        100, learned_mults=(1.0, 8.0), heuristic_mults=(), experts=(), switch_margin=1.0, home_z=2.0
+    )
     assert pol.home_z == 2.0 and pol.switch_z == 0.5 and pol._real.mult == 1.0
     pol._ex_S[:] = (1000.0, 1100.0)
     pol._ex_D[1, 0], pol._ex_Q[1, 0] = 100.0, (100.0 / 1.5) ** 2  # z = 1.5 < home_z
@@ -214,7 +218,7 @@ def test_expert_switches_on_a_real_stream_only_go_to_better_experts() -> None:
         assert sw["z"] > pol.switch_z
     q = pol.quality()
     assert q["expert"] == pol.switch_log[-1]["to"] and q["expert_switches"] == len(pol.switch_log)
-    assert set(q["expert_scores"]) == {"learned-tau-x0.1", "learned", "learned-tau-x16", "arc"}
+    assert set(q["expert_scores"]) == {"learned-tau-x0.1", "learned", "heuristic-x16", "arc"}
 
 
 def test_classic_expert_is_a_full_size_shadow_of_the_policy_itself(trace: list[Request]) -> None:
@@ -373,3 +377,69 @@ def test_lead_bias_is_carried_exactly_by_the_blocks_the_followed_expert_holds(tr
         carried = np.rint((pol._real.key[res] - learned) / pol.lead_bias)
         assert np.array_equal(carried, held.astype(float))
     assert mixed > 400  # both kinds resident most of the time: the preference is soft
+
+
+def test_default_expert_set_is_model_recency_scales_a_heuristic_frequency_expert_and_arc() -> None:
+    """Round 11: the frequency-weighted expert is keyed by the fixed heuristic (the fallback), not by the
+    model, whose labels lag; the round-10 set stays reachable."""
+    pol = LearnedPolicy(100)
+    assert pol.expert_names == ["learned-tau-x0.1", "learned", "heuristic-x16", "arc"]
+    assert [p.heuristic for p in pol._keyed] == [False, False, True] and not pol._real.heuristic
+    assert pol.classic_key == "best"
+    old = LearnedPolicy(100, learned_mults=(0.1, 1.0, 16.0), heuristic_mults=(), classic_key="keep")
+    assert old.expert_names == ["learned-tau-x0.1", "learned", "learned-tau-x16", "arc"]
+    assert not any(p.heuristic for p in old._keyed)
+    with pytest.raises(ValueError):
+        LearnedPolicy(100, classic_key="nope")
+
+
+def test_heuristic_expert_keys_by_the_fallback_logit_whatever_the_model(trace: list[Request]) -> None:
+    """A heuristic expert's key of a block is the fallback log-odds of its last access plus t / (tau x
+    mult) with the fallback's fixed tau, before and after the model is trained and refit."""
+    from kvtier.policies.features import fallback_logit
+
+    pol = LearnedPolicy(150, learned_mults=(1.0,), heuristic_mults=(16.0,), experts=(), **FAST)  # type: ignore[arg-type]
+    h = pol._keyed[1]
+    assert h.heuristic and h.mult == 16.0
+    for r in trace[:1500]:
+        pol.access(r)
+        res = np.flatnonzero(h.resident[: pol._n_slots])
+        zf = fallback_logit(pol._ev_x[pol._last_event[res] % pol._E])
+        want = zf + pol._last_ms[res] / 1000.0 / (pol.fallback_tau_s * 16.0)
+        np.testing.assert_allclose(h.key[res], want, rtol=0, atol=1e-5)  # (stored features are float32)
+    assert pol.quality()["retrains"] >= 3
+
+
+def test_following_a_heuristic_expert_keys_the_real_cache_by_the_heuristic(trace: list[Request]) -> None:
+    """A switch to a heuristic expert makes the real cache rank by the heuristic key (plus the lead bias
+    on the blocks the expert holds); a switch to ARC with ``classic_key`` "best" makes it rank by the key of
+    the keyed expert with the most recent tokens, "keep" leaves its key as it was."""
+    from kvtier.policies.features import fallback_logit
+
+    pols = [LearnedPolicy(150, switch_every=10**9, classic_key=ck, **FAST) for ck in ("best", "keep")]  # type: ignore[arg-type]
+    for r in trace[:800]:
+        for p in pols:
+            p.access(r)
+    pol = pols[0]
+    hx = pol.expert_names.index("heuristic-x16")
+    c = pol._lead
+    pol._ex_S[hx], pol._ex_D[hx, c], pol._ex_Q[hx, c] = 2 * pol._ex_S[c] + 1.0, 100.0, 1.0
+    pol._follow_leader()
+    assert pol._real.heuristic and pol._real.mult == 16.0 and not pol._aliased()
+    for r in trace[800:1000]:
+        pol.access(r)
+        res = np.flatnonzero(pol._real.resident[: pol._n_slots])
+        zf = fallback_logit(pol._ev_x[pol._last_event[res] % pol._E])
+        own = zf + pol._last_ms[res] / 1000.0 / (pol.fallback_tau_s * 16.0)
+        carried = np.rint((pol._real.key[res] - own) / pol.lead_bias)
+        assert np.array_equal(carried, pol._keyed[hx].resident[res].astype(float))
+    for p in pols:
+        a, c = p.expert_names.index("arc"), p._lead
+        before = (p._real.mult, p._real.heuristic)
+        p._ex_S[:a] = (5.0, 1.0, 3.0)  # the model at x0.1 has the most recent tokens among the keyed ones
+        p._ex_S[a], p._ex_D[a, c], p._ex_Q[a, c] = 100.0, 100.0, 1.0
+        p._follow_leader()
+        assert p.quality()["expert"] == "arc"
+        want = (0.1, False) if p.classic_key == "best" else before
+        assert want != before or p is pols[1]
+        assert (p._real.mult, p._real.heuristic) == want
