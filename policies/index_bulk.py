@@ -211,31 +211,16 @@ def _lookup(idx: BlockIndex, keys: I64) -> I64:
 
 def _allocate(
     idx: BlockIndex, keys: I64, t_first: npt.NDArray[np.float64]
-) -> tuple[I64, npt.NDArray[np.bool_]] | None:
+) -> tuple[I64, npt.NDArray[np.bool_]]:
     """Slots of the distinct int64 ``keys``; untracked ones get a new slot, first seen (and accessed) at
-    ``t_first`` (ms). Returns (slots, which ones are new), or None if ``max_blocks`` would need reclaiming.
+    ``t_first`` (ms). Returns (slots, which ones are new). Under ``max_blocks`` the caller made room first
+    (:meth:`BlockIndex.make_room`).
 
     One vectorised lookup + insert for all keys (a ``setdefault`` with a candidate slot each); unused
     candidates go back to the free list."""
     m = keys.size
     from_free = min(m, len(idx._free))
     fresh = m - from_free
-    if idx.max_blocks is not None and idx._n + fresh > idx.max_blocks:
-        got = _lookup(idx, keys)  # tight: give slots only to the untracked keys
-        miss = np.flatnonzero(got < 0)
-        if miss.size == m:
-            n_free = len(idx._free)
-            if idx._n + max(0, m - n_free) > idx.max_blocks:
-                return None
-        elif miss.size:
-            sub = _allocate(idx, keys[miss], t_first[miss])
-            if sub is None:
-                return None
-            got[miss] = sub[0]
-        new = np.zeros(m, dtype=np.bool_)
-        if miss.size != m:
-            new[miss] = True
-            return got, new
     while idx._n + fresh > idx.capacity:
         idx._grow()
     free = idx._free
@@ -352,10 +337,6 @@ def apply_ops(idx: BlockIndex, q: OpQueue) -> int:
     first_new = np.full(uk.size, -1, dtype=np.int64)  # op index of the first STORE of a newly tracked key
     if st_g.size:
         got = _allocate(idx, uk[st_g], ts[st_i])
-        if got is None:  # (make_room left enough room: not reached)
-            skipped = _slow(idx, q)
-            q.clear()
-            return skipped
         uslot[st_g] = got[0]
         first_new[st_g[got[1]]] = st_i[got[1]]
     slots = uslot[inv]

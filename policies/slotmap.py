@@ -261,26 +261,18 @@ class SlotMap:
         new = ~old
         if not new.any():
             return
-        nk, nv = k[new], v[new]
-        self._reserve(nk.shape[0])
-        self._insert_new(nk, nv)
+        self.get_or_put(k[new], v[new])
 
     def put_absent(self, keys: npt.NDArray[np.int64], values: npt.NDArray[np.int64]) -> None:
-        """Insert distinct ``keys`` the caller knows are absent (no duplicate check, no lookup first)."""
-        k = np.ascontiguousarray(keys, dtype=np.int64).ravel()
-        v = np.ascontiguousarray(values, dtype=np.int64).ravel()
-        if k.shape != v.shape:
-            raise ValueError("keys and values differ in length")
-        if k.size == 0:
-            return
-        if (v == EMPTY).any():
-            raise ValueError("SlotMap cannot store its EMPTY sentinel as a value")
-        self._reserve(k.shape[0])
-        self._insert_new(k, v)
+        """Insert distinct ``keys`` the caller knows are absent."""
+        self.get_or_put(keys, values)
 
     def get_or_put(self, keys: npt.NDArray[np.int64], values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """For distinct ``keys``: each one's value if present, else insert ``values[i]`` and return it. One
-        probing pass for both (a present key is met before any free bucket on its probe run)."""
+        probing pass for both (a present key is met before any free bucket on its probe run). Each round,
+        every pending key looks at its current bucket; of the keys reaching one free bucket the last one
+        scattered takes it (no sort: a free bucket's key cell is scratch, freeness is the value column), the
+        rest probe on; the last few keys of long probe runs go the scalar way."""
         k = np.ascontiguousarray(keys, dtype=np.int64).ravel()
         v = np.ascontiguousarray(values, dtype=np.int64).ravel()
         if k.shape != v.shape:
@@ -304,7 +296,7 @@ class SlotMap:
             if hit.size:
                 out[act[hit]] = bv[hit]
             fi = np.flatnonzero(free)
-            if fi.size:  # as _insert_new: the last scattered key per free bucket takes it
+            if fi.size:  # the last key scattered onto a free bucket takes it (its key cell is scratch)
                 p = pos[fi]
                 ks[p] = fi
                 w = fi[ks[p] == fi]
@@ -338,37 +330,6 @@ class SlotMap:
             bits += 1
         if bits != self._bits:
             self._rehash(bits)
-
-    def _insert_new(self, keys: npt.NDArray[np.int64], vals: npt.NDArray[np.int64]) -> None:
-        """Insert distinct keys known to be absent (room already ensured).
-
-        Each round, every pending key looks at its current bucket; of the keys reaching one free bucket the
-        last scattered one takes it (no sort: the keys column of a free bucket is scratch space, freeness is
-        the value column), the rest probe on. The last few keys of long probe runs go the scalar way."""
-        ks, vs, m = self._keys, self._vals, self._mask
-        act = np.arange(keys.shape[0], dtype=np.int64)
-        pos = self._homes(keys)
-        while act.size > _SCALAR_TAIL:
-            fi = np.flatnonzero(vs[pos] == EMPTY)
-            if fi.size:
-                p = pos[fi]
-                ks[p] = fi  # scratch: the last writer per free bucket wins it
-                w = fi[ks[p] == fi]
-                ks[pos[w]] = keys[act[w]]
-                vs[pos[w]] = vals[act[w]]
-                keep = np.ones(act.size, np.bool_)
-                keep[w] = False
-                # losers' buckets hold a winner's key now; theirs were free scratch before
-                act, pos = act[keep], pos[keep]
-            pos = (pos + 1) & m
-        if act.size:
-            mv = self._mv
-            for i, key, value in zip(pos.tolist(), keys[act].tolist(), vals[act].tolist(), strict=True):
-                while mv[2 * i + 1] != EMPTY:
-                    i = (i + 1) & m
-                mv[2 * i] = key
-                mv[2 * i + 1] = value
-        self._n += keys.shape[0]
 
     def _rehash(self, bits: int) -> None:
         live = self._vals != EMPTY
