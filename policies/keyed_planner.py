@@ -58,29 +58,46 @@ class KeyedPlanner:
         parent: memoryview,
         on_evict: list[int] | None,
     ) -> npt.NDArray[np.bool_]:
-        """Serve one request (``slots`` root first); return its hit mask; evicted slots go to ``on_evict``."""
+        """Serve one request (``slots`` root first); return its hit mask; evicted slots go to ``on_evict``.
+
+        Contract: each block admitted over capacity evicts the resident leaf with the smallest
+        ``(key, slot)``, the newcomer included (then the rest of the request is bypassed). A slot listed
+        twice keeps its last key. Every resident leaf has a live heap entry (so compaction never changes
+        a decision): hit leaves and parents that become leaves are pushed, and so is an admitted block
+        once it is known to stay a leaf (not when the request's next block becomes its child: that entry
+        would only go stale)."""
         hit = self.resident[slots]
-        self.key[slots] = keys
+        karr = self.key
+        karr[slots] = keys
         heap = self.heap
         res = self._v_res
         rc = self._v_rc
         sl = slots.tolist()
-        kl = keys.tolist()
+        kl = karr[slots].tolist() if len(sl) > 1 else keys.tolist()  # (a repeated slot: its last key)
         hl = hit.tolist()
-        n_hit = hl.index(False) if False in hl else len(sl)
+        n = len(sl)
+        n_hit = hl.index(False) if False in hl else n
         self.n_lead = n_hit
+        push = heapq.heappush
         for i in range(n_hit):  # a hit leaf's key changed: push its new entry
             s = sl[i]
             if rc[s] == 0:
-                heapq.heappush(heap, (kl[i], s))
-        if self.capacity <= 0 or n_hit == len(sl):
+                push(heap, (kl[i], s))
+        if n_hit < n and hl.count(True) > n_hit:  # hits past the first miss (not a root-first chain)
+            for i in range(n_hit + 1, n):
+                s = sl[i]
+                if hl[i] and rc[s] == 0:
+                    push(heap, (kl[i], s))
+        if self.capacity <= 0 or n_hit == n:
             if len(heap) > self.heap_limit:  # all hits still push entries: bound the stale ones here too
                 self.compact()
             return hit
         key = self._v_key
-        push, pop, pushpop = heapq.heappush, heapq.heappop, heapq.heappushpop
+        pop = heapq.heappop
         n_res, cap = self.n_resident, self.capacity
-        for i in range(n_hit, len(sl)):
+        pend = -1  # the block admitted last, not pushed yet (index into sl)
+        ck, cv = 0.0, -1  # the leaf the last eviction made (its parent), held out of the heap
+        for i in range(n_hit, n):
             s = sl[i]
             p = parent[s]
             if res[s] or (p >= 0 and not res[p]):
@@ -89,25 +106,47 @@ class KeyedPlanner:
             n_res += 1
             if p >= 0:
                 rc[p] += 1
+                if p == cv:  # the held leaf got a child: no longer evictable
+                    cv = -1
+            if pend >= 0 and sl[pend] != p:  # the previous admission stays a leaf: it needs its entry
+                push(heap, (kl[pend], sl[pend]))
+                pend = -1
             if n_res <= cap:
-                push(heap, (kl[i], s))
+                pend = i
                 continue
-            # evict the smallest-key resident leaf (inlined _evict_one: this loop is the hot path); push
-            # and pop in one step: a newcomer that is itself the smallest never enters the heap
-            k, v = pushpop(heap, (kl[i], s))
-            while not (res[v] and rc[v] == 0 and key[v] == k):
-                k, v = pop(heap)
+            # the victim: the smallest (key, slot) of the newcomer, the held leaf and the heap's live top
+            k, v = kl[i], s
+            if cv >= 0 and (ck < k or (ck == k and cv < v)):
+                k, v = ck, cv
+            while heap:
+                hk, hv = heap[0]
+                if res[hv] and rc[hv] == 0 and key[hv] == hk:
+                    if hk < k or (hk == k and hv < v):
+                        pop(heap)
+                        v = hv
+                    break
+                pop(heap)  # a stale entry
+            if v == cv:
+                cv = -1
             res[v] = False
             n_res -= 1
             pv = parent[v]
             if pv >= 0:
                 rc[pv] -= 1
-                if rc[pv] == 0 and res[pv]:
-                    push(heap, (key[pv], pv))
+                if rc[pv] == 0 and res[pv]:  # a new leaf: often the next victim, so hold it
+                    if cv >= 0:
+                        push(heap, (ck, cv))
+                    ck, cv = key[pv], pv
             if on_evict is not None:
                 on_evict.append(v)
-            if v == s:
-                break  # bypass: the newcomer is the least likely to return; skip the rest
+            if v == s:  # bypass: the newcomer is the least likely to return; skip the rest
+                pend = -1  # its parent, if a leaf again, is the held one now
+                break
+            pend = i
+        if pend >= 0:
+            push(heap, (kl[pend], sl[pend]))
+        if cv >= 0:
+            push(heap, (ck, cv))
         self.n_resident = n_res
         if len(heap) > self.heap_limit:
             self.compact()

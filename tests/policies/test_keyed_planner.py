@@ -34,12 +34,12 @@ def _run(limit_fixed: int | None, cap: int, full: bool = False) -> tuple[list[li
 
 
 def test_compaction_keeps_decisions_and_bounds_the_heap() -> None:
-    for cap in (200, 10_000):  # evicting, and never full (no pops: stale entries pile up)
+    for cap in (200, 10_000):  # evicting, and never full
         ev_a, hit_a, peak_a = _run(None, cap)
         ev_b, hit_b, peak_b = _run(10**9, cap)  # never compacts
         assert ev_a == ev_b and hit_a == hit_b
         assert peak_a <= 300 + 300 // 4 + 4096 + 12  # <= 300 live leaves (one per chain) + <= 12 a request
-    assert peak_b > peak_a  # the never-full cache: stale entries pile up without compaction
+        assert peak_b >= peak_a
 
 
 def test_a_cache_that_only_hits_still_compacts() -> None:
@@ -50,3 +50,72 @@ def test_a_cache_that_only_hits_still_compacts() -> None:
     assert ev_a == ev_b and hit_a == hit_b and all(not e for e in ev_a)
     assert peak_a <= 300 + 300 // 4 + 4096 + 1
     assert peak_b > 15_000  # without compaction: ~one entry per request
+
+
+class _Reference:
+    """The planner's contract without a heap: a block admitted over capacity evicts the resident leaf
+    with the smallest ``(key, slot)``, the newcomer included (then the rest of the request is bypassed);
+    admission stops at a block already resident or whose parent is not; a slot listed twice keeps its
+    last key."""
+
+    def __init__(self, cap: int, size: int, parent: np.ndarray) -> None:
+        self.cap, self.parent = cap, parent.tolist()
+        self.res, self.rc, self.key = [False] * size, [0] * size, [0.0] * size
+
+    def serve(self, slots: list[int], keys: list[float]) -> tuple[list[bool], list[int]]:
+        hit = [self.res[s] for s in slots]
+        for s, k in zip(slots, keys, strict=True):
+            self.key[s] = k
+        n_hit = hit.index(False) if False in hit else len(slots)
+        ev: list[int] = []
+        if self.cap <= 0:
+            return hit, ev
+        for i in range(n_hit, len(slots)):
+            s, p = slots[i], self.parent[slots[i]]
+            if self.res[s] or (p >= 0 and not self.res[p]):
+                break
+            self.res[s] = True
+            if p >= 0:
+                self.rc[p] += 1
+            if sum(self.res) <= self.cap:
+                continue
+            _, v = min((self.key[v], v) for v in range(len(self.res)) if self.res[v] and self.rc[v] == 0)
+            self.res[v] = False
+            if self.parent[v] >= 0:
+                self.rc[self.parent[v]] -= 1
+            ev.append(v)
+            if v == s:
+                break
+        return hit, ev
+
+
+def test_serve_follows_the_reference_contract_on_irregular_requests() -> None:
+    """Random forests and requests that are not always root-first chains (a known block after a new one,
+    a block twice, a branch): hits and evictions equal the heap-free reference, request for request."""
+    rng = np.random.default_rng(5)
+    size = 400
+    parent = np.full(size, -1, dtype=np.int64)
+    for s in range(1, size):
+        if rng.random() < 0.85:
+            parent[s] = int(rng.integers(max(0, s - 8), s))
+    chains = []
+    for s in range(size):
+        c = [s]
+        while parent[c[-1]] >= 0:
+            c.append(int(parent[c[-1]]))
+        chains.append(c[::-1])
+    for cap in (0, 1, 7, 40, 150):
+        pl, ref = KeyedPlanner(cap, 1.0, size), _Reference(cap, size, parent)
+        for t in range(3000):
+            req = list(chains[int(rng.integers(0, size))])
+            r = rng.random()
+            if r < 0.1:
+                req.append(req[-1])  # a block twice
+            elif r < 0.2:
+                req.insert(int(rng.integers(0, len(req))), int(rng.integers(0, size)))  # an odd block
+            keys = (rng.integers(-3, 4, size=len(req)) + t // 10).astype(np.float64)  # ties on purpose
+            ev: list[int] = []
+            hit = pl.serve(np.array(req, dtype=np.int64), keys, parent.data, ev)
+            want_hit, want_ev = ref.serve(req, keys.tolist())
+            assert hit.tolist() == want_hit and ev == want_ev, (cap, t)
+            assert pl.n_resident == sum(ref.res) <= max(cap, 0)
