@@ -61,8 +61,10 @@ def request_features(
     freq: IntArray,
     last_ms: FloatArray,
     children: npt.NDArray[np.integer[Any]],
+    extra_cols: int = 0,
 ) -> FloatArray:
-    """Feature matrix, shape (blocks, N_FEATURES), for one request.
+    """Feature matrix, shape (blocks, N_FEATURES + ``extra_cols``), for one request (the extra columns,
+    zero here, are the caller's to fill).
 
     ``freq``/``last_ms``/``children`` are the per-block state *before* this request (freq 0 = never
     seen; last_ms ignored then). ``known_blocks`` is the length of the request's already-seen prefix,
@@ -71,8 +73,8 @@ def request_features(
     """
     n = int(freq.shape[0])
     if n == 0:
-        return np.empty((0, N_FEATURES), dtype=np.float64)
-    out = _template(n).copy()  # the columns that depend only on n (positions)
+        return np.empty((0, N_FEATURES + extra_cols), dtype=np.float64)
+    out = _template(n, extra_cols).copy()  # the columns that depend only on n (positions)
     tg = (
         -1.0
         if known_blocks == 0 or not np.isfinite(turn_last_ms)
@@ -92,22 +94,22 @@ def request_features(
     return out
 
 
-_TEMPLATES: dict[int, FloatArray] = {}
+_TEMPLATES: dict[tuple[int, int], FloatArray] = {}
 
 
-def _template(n: int) -> FloatArray:
-    """Feature rows of an ``n``-block request that depend only on positions (cached per ``n``)."""
-    t = _TEMPLATES.get(n)
+def _template(n: int, extra_cols: int = 0) -> FloatArray:
+    """Feature rows of an ``n``-block request that depend only on positions (cached per shape)."""
+    t = _TEMPLATES.get((n, extra_cols))
     if t is None:
         j = np.arange(n, dtype=np.float64)
         pos_from_end = (n - 1) - j
-        t = np.zeros((n, N_FEATURES), dtype=np.float64)
+        t = np.zeros((n, N_FEATURES + extra_cols), dtype=np.float64)
         t[:, 0] = np.minimum(pos_from_end, 64.0)
         t[:, 2] = np.minimum(j, 512.0)
         t[:, 3] = n
         t[:, 13] = np.minimum(pos_from_end, 3.0) * 2.0
         if len(_TEMPLATES) < 4096:
-            _TEMPLATES[n] = t
+            _TEMPLATES[(n, extra_cols)] = t
     return t
 
 

@@ -247,53 +247,37 @@ class LearnedPolicy(Policy):
         self._v_par = self._parent.data
 
     def _slots_for(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        """Dense slots of a request's blocks, allocating new ones (parent = previous block of the request)."""
+        """Dense slots of a request's blocks, allocating new ones in request order (one probing pass); a
+        new block's parent is the request's previous block."""
         idl = ids.tolist()
-        got = self._slot.get_list(idl)  # -1 = never seen
-        try:
-            k = got.index(-1)
-        except ValueError:
-            return np.array(got, dtype=_I64)
-        m = len(idl) - k
-        if got.count(-1) != m or len(set(idl[k:])) != m:
-            return self._slots_for_loop(idl)
-        # the usual tree case: a known prefix, then a suffix of never-seen blocks (allocated in bulk)
         s0 = self._n_slots
+        got, m = self._slot.get_or_assign(idl, s0)
+        out = np.array(got, dtype=_I64)
+        if m == 0:
+            return out
         if s0 + m > self._ids.shape[0]:
             self._grow(s0 + m)
         self._n_slots = s0 + m
-        new = np.arange(s0, s0 + m, dtype=_I64)
-        self._slot.put_many(ids[k:], new)
-        self._ids[s0 : s0 + m] = ids[k:]
-        head = got[:k]  # all known (k is the first unknown)
-        prev = head[-1] if k > 0 else -1
-        self._parent[s0] = prev
-        self._parent[s0 + 1 : s0 + m] = new[:-1]
-        self._children[s0 : s0 + m - 1] += 1
-        if prev >= 0:
-            self._children[prev] += 1
-        out = np.empty(len(idl), dtype=_I64)
-        out[:k] = head
-        out[k:] = new
-        return out
-
-    def _slots_for_loop(self, idl: list[int]) -> npt.NDArray[np.int64]:
-        """General case (a known block after a new one, or a block repeated within the request)."""
-        out = np.empty(len(idl), dtype=_I64)
-        prev = -1
-        for i, b in enumerate(idl):
-            s = self._slot.get(b)
-            if s < 0:
-                s = self._n_slots
-                self._n_slots += 1
-                if s >= self._ids.shape[0]:
-                    self._grow(s + 1)
-                self._slot.put(b, s)
+        k = len(idl) - m
+        if got[k] == s0 and (k == 0 or max(got[:k]) < s0):
+            # the usual tree case: a known prefix, then a suffix of never-seen blocks (set up in bulk)
+            self._ids[s0 : s0 + m] = ids[k:]
+            prev = got[k - 1] if k > 0 else -1
+            self._parent[s0] = prev
+            self._parent[s0 + 1 : s0 + m] = out[k:-1]
+            self._children[s0 : s0 + m - 1] += 1
+            if prev >= 0:
+                self._children[prev] += 1
+            return out
+        # general case (a known block after a new one, or a block repeated within the request)
+        prev, nxt = -1, s0
+        for b, s in zip(idl, got, strict=True):
+            if s == nxt:  # first occurrence of a new block
+                nxt += 1
                 self._ids[s] = b
                 self._parent[s] = prev
                 if prev >= 0:
                     self._children[prev] += 1
-            out[i] = s
             prev = s
         return out
 
@@ -341,10 +325,12 @@ class LearnedPolicy(Policy):
             freq=freq,
             last_ms=self._last_ms[slots],
             children=self._children[slots],
+            extra_cols=len(self._extra),
         )
         if self._extra:
             x = self._with_extras(x, slots, freq, now)
-        z = self.model.predict_logit(x) if self.model.trained else fallback_logit(x)
+        trained = self.model.trained
+        z = self.model.predict_logit(x) if trained else fallback_logit(x)
         self._record_events(slots, x, z, now)
         if self._k_c is not None:  # P(reuse) is asked for (the controller's tick): memoise the fresh
             version, key_of = self._key_memo()  # keys here, on the feeding path, not in the tick
@@ -353,7 +339,7 @@ class LearnedPolicy(Policy):
         if known < n:
             self._turn[slots[new]] = turn + 1
         # heuristic-keyed planners use the fallback's log-odds and time scale, whatever the model
-        zh = fallback_logit(x) if self._any_heuristic else z
+        zh = fallback_logit(x) if self._any_heuristic and trained else z
         rh = self._real.heuristic
         tau_real = self.fallback_tau_s if rh else self.tau_s
         base = (zh if rh else z) + now / 1000.0 / (tau_real * self._real.mult)
@@ -430,8 +416,9 @@ class LearnedPolicy(Policy):
         freq: npt.NDArray[np.int64],
         now: float,
     ) -> npt.NDArray[np.float64]:
-        """``x`` with the selected :data:`EXTRA_FEATURES` columns appended (state before this request)."""
-        cols = []
+        """``x`` with its last columns filled with the selected :data:`EXTRA_FEATURES` (state before this
+        request), in place."""
+        j = x.shape[1] - len(self._extra)
         for name in self._extra:
             if name == "log_life_s":
                 c = np.log1p(np.maximum(now - self._first_ms[slots], 0.0) / 1000.0)
@@ -441,8 +428,9 @@ class LearnedPolicy(Policy):
             else:  # "log_gap2_s"
                 c = np.log1p(np.maximum(now - self._prev_ms[slots], 0.0) / 1000.0)
                 c[freq < 2] = -1.0
-            cols.append(c)
-        return np.column_stack([x, *cols])
+            x[:, j] = c
+            j += 1
+        return x
 
     def _fold_expert_stats(self) -> None:
         """Fold the buffered per-request expert tokens into the decayed paired statistics (exactly the

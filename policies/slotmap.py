@@ -98,6 +98,32 @@ class SlotMap:
                 i = (i + 1) & m
         return out
 
+    def get_or_assign(self, keys: list[int], first: int) -> tuple[list[int], int]:
+        """Value of each key (Python ints in int64 range), in one probing pass: an absent key is inserted
+        with the next value counting up from ``first`` (so a key repeated later in ``keys`` finds the
+        value it was just given). Returns the values and how many keys were inserted."""
+        self._reserve(len(keys))  # no rehash in the middle of the pass
+        mv, m, shift = self._mv, self._mask, self._shift
+        out: list[int] = []
+        put = out.append
+        nxt = first
+        for k in keys:
+            i = ((k * _GOLD) & _M64) >> shift
+            while True:
+                v = mv[2 * i + 1]
+                if v == EMPTY:
+                    mv[2 * i] = k
+                    mv[2 * i + 1] = nxt
+                    put(nxt)
+                    nxt += 1
+                    break
+                if mv[2 * i] == k:
+                    put(v)
+                    break
+                i = (i + 1) & m
+        self._n += nxt - first
+        return out, nxt - first
+
     def __getitem__(self, key: int) -> int:
         """Value of ``key``; KeyError if absent (dict-like)."""
         v = self.get(key, EMPTY)

@@ -312,6 +312,13 @@ def test_non_tree_requests_fall_back_to_the_general_slot_path() -> None:
     h = pol.access(Request(1.0, 4 * 512, 1, np.array([1, 9, 3, 3], dtype=np.int64)))
     assert h.tolist()[:1] == [True] and pol.contains(9)
     assert len(pol) <= 10
+    pol.access(Request(2.0, 4 * 512, 1, np.array([5, 6, 6, 7], dtype=np.int64)))  # a new block twice
+    s1, s2, s3, s9, s5, s6, s7 = pol.slots_of([1, 2, 3, 9, 5, 6, 7]).tolist()
+    assert sorted([s1, s2, s3, s9, s5, s6, s7]) == list(range(7))  # one slot per distinct block
+    par, kids = pol._parent.tolist(), pol._children.tolist()
+    assert (par[s9], par[s3], par[s2], par[s1]) == (s1, s2, s1, -1)  # a known block keeps its parent
+    assert (par[s5], par[s6], par[s7]) == (-1, s5, s6)  # the repeat is not its own parent
+    assert (kids[s1], kids[s2], kids[s5], kids[s6]) == (2, 1, 1, 1)
 
 
 def test_long_document_trace_is_seeded_and_shaped_like_the_synthetic_trace() -> None:

@@ -19,7 +19,7 @@ def test_slotmap_matches_a_dict_on_random_operations(seed: int) -> None:
     pool = rng.integers(_I64.min + 1, _I64.max, size=400, dtype=np.int64)
     pool[:6] = [0, -1, 1, _I64.max, _I64.min, 1 << 40]
     for _ in range(2500):
-        op = int(rng.integers(0, 6))
+        op = int(rng.integers(0, 7))
         k = int(pool[rng.integers(0, pool.size)])
         if op == 0:
             v = int(rng.integers(-5, 1000))
@@ -46,11 +46,21 @@ def test_slotmap_matches_a_dict_on_random_operations(seed: int) -> None:
             ks = pool[rng.integers(0, pool.size, size=size)]
             assert sm.get_many(ks, -3).tolist() == [d.get(a, -3) for a in ks.tolist()]
             assert sm.get_list(ks.tolist(), -4) == [d.get(a, -4) for a in ks.tolist()]
-        else:
+        elif op == 5:
             ks = pool[rng.integers(0, pool.size, size=int(rng.integers(0, 20)))].tolist()
             vs = rng.integers(0, 50, size=len(ks)).tolist()
             sm.put_list(ks, vs)
             d.update(zip(ks, vs, strict=True))
+        else:  # get_or_assign: setdefault with a counter, repeats find the value just given
+            ks = pool[rng.integers(0, pool.size, size=int(rng.integers(0, 40)))].tolist()
+            first = int(rng.integers(1000, 2000))
+            nxt, want = first, []
+            for a in ks:
+                if a not in d:
+                    d[a] = nxt
+                    nxt += 1
+                want.append(d[a])
+            assert sm.get_or_assign(ks, first) == (want, nxt - first)
         assert len(sm) == len(d)
     keys, vals = sm.items()
     assert dict(zip(keys.tolist(), vals.tolist(), strict=True)) == d
