@@ -850,4 +850,3 @@ class LearnedPolicy(Policy):
             zz = self.model.predict_logit(x[None, :]) if self.model.trained else fallback_logit(x[None, :])
             out["reuse_probability_at_access"] = float(sigmoid(zz)[0])
         return out
-

@@ -272,6 +272,8 @@ def test_following_a_classic_expert_hands_off_contents_and_converges(trace: list
             p.access(r)
             assert len(p) <= cap
     assert overlap(pol) > overlap(ctrl) + 0.05, (overlap(pol), overlap(ctrl))
+
+
 @pytest.mark.parametrize("cap", [1, 5, 37])
 def test_pinning_never_exceeds_capacity_when_a_request_is_longer_than_the_cache(cap: int) -> None:
     pol = LearnedPolicy(cap)

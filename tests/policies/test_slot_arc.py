@@ -19,8 +19,15 @@ def _trace(name: str) -> list[Request]:
 
 @pytest.mark.parametrize(
     ("name", "cap"),
-    [("conversation", 0), ("conversation", 1), ("conversation", 500), ("conversation", 5000),
-     ("multiturn", 7), ("multiturn", 50), ("multiturn", 500)],
+    [
+        ("conversation", 0),
+        ("conversation", 1),
+        ("conversation", 500),
+        ("conversation", 5000),
+        ("multiturn", 7),
+        ("multiturn", 50),
+        ("multiturn", 500),
+    ],
 )
 def test_slot_arc_matches_arc_hit_for_hit_and_eviction_for_eviction(name: str, cap: int) -> None:
     """Every request's hit mask, every evicted block (in order) and the size agree, and so do the resident
