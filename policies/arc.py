@@ -203,37 +203,67 @@ class SlotARC:
         self._unlink(x)
         return x
 
+    def _demote(self, src: int, dst: int) -> int:
+        """Move ``src``'s LRU end to ``dst``'s MRU end (a replacement: T1 -> B1 or T2 -> B2); return it."""
+        w, pv, nx, head, tail, cnt = self._w, self._pv, self._nx, self.head, self.tail, self.count
+        y = head[src]
+        b = nx[y]
+        head[src] = b
+        if b >= 0:
+            pv[b] = -1
+        else:
+            tail[src] = -1
+        cnt[src] -= 1
+        t = tail[dst]
+        pv[y] = t
+        nx[y] = -1
+        if t >= 0:
+            nx[t] = y
+        else:
+            head[dst] = y
+        tail[dst] = y
+        cnt[dst] += 1
+        w[y] = dst
+        return y
+
     def _replace(self, in_b2: bool, evicted: list[int]) -> None:
         n1 = self.count[_T1]
         if n1 and (n1 > self._p or (in_b2 and n1 == self._p)):
-            b = self.head[_T1]
-            self._move(b, _B1)
+            b = self._demote(_T1, _B1)
         elif self.count[_T2]:
-            b = self.head[_T2]
-            self._move(b, _B2)
+            b = self._demote(_T2, _B2)
         else:
-            b = self.head[_T1]
-            self._move(b, _B1)
+            b = self._demote(_T1, _B1)
         evicted.append(b)
 
     def access(self, slots: list[int], evicted: list[int]) -> list[bool]:
-        """Serve one request's slots in order; return the hit per slot; evicted slots go to ``evicted``."""
+        """Serve one request's slots in order; return the hit per slot; evicted slots go to ``evicted``.
+        The list operations of the hit and miss paths are inlined (they run per block access)."""
         hits = [False] * len(slots)
         c = self.capacity_blocks
         if c == 0:
             return hits
-        w = self._w
-        cnt = self.count
-        move, append, replace, pop_lru = self._move, self._append, self._replace, self._pop_lru
-        tail = self.tail
+        w, pv, nx = self._w, self._pv, self._nx
+        head, tail, cnt = self.head, self.tail, self.count
+        move, replace, pop_lru = self._move, self._replace, self._pop_lru
         for i, x in enumerate(slots):
             lst = w[x]
-            if lst == _T1:
-                move(x, _T2)
+            if lst == _T2:
+                if tail[_T2] != x:  # move_to_end (inlined _move within T2)
+                    a, b = pv[x], nx[x]
+                    if a >= 0:
+                        nx[a] = b
+                    else:
+                        head[_T2] = b
+                    pv[b] = a  # b >= 0: x is not the tail
+                    t = tail[_T2]
+                    pv[x] = t
+                    nx[x] = -1
+                    nx[t] = x  # t >= 0: T2 holds b
+                    tail[_T2] = x
                 hits[i] = True
-            elif lst == _T2:
-                if tail[_T2] != x:  # move_to_end
-                    move(x, _T2)
+            elif lst == _T1:
+                move(x, _T2)
                 hits[i] = True
             elif lst == _B1:
                 self._p = min(float(c), self._p + max(cnt[_B2] / cnt[_B1], 1.0))
@@ -250,7 +280,15 @@ class SlotARC:
                 l1 = n1 + cnt[_B1]
                 if l1 == c:
                     if n1 < c:
-                        pop_lru(_B1)
+                        y = head[_B1]  # drop B1's LRU ghost (inlined _pop_lru)
+                        b = nx[y]
+                        head[_B1] = b
+                        if b >= 0:
+                            pv[b] = -1
+                        else:
+                            tail[_B1] = -1
+                        cnt[_B1] -= 1
+                        w[y] = 0
                         if n1 + cnt[_T2] >= c:
                             replace(False, evicted)
                     else:
@@ -263,5 +301,15 @@ class SlotARC:
                             pop_lru(_B2)
                         if n1 + n2 >= c:
                             replace(False, evicted)
-                append(x, _T1)
+                # append x to T1's MRU end (inlined _append)
+                t = tail[_T1]
+                pv[x] = t
+                nx[x] = -1
+                if t >= 0:
+                    nx[t] = x
+                else:
+                    head[_T1] = x
+                tail[_T1] = x
+                cnt[_T1] += 1
+                w[x] = _T1
         return hits
