@@ -89,3 +89,32 @@ def test_a_raw_only_column_is_not_binned_and_extrapolates_linearly() -> None:
     slope = float(m.lin_w[0])  # the only linear column
     assert 1.0 < slope < 2.0
     np.testing.assert_allclose(m.predict_logit(far) - m.predict_logit(base), 10.0 * slope, rtol=1e-9)
+
+
+def test_a_fit_runs_on_one_blas_thread_and_restores_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every refit limits BLAS to one thread (spinning pool threads on a shared machine cost more than
+    the fit) and puts the previous limits back afterwards; the controller is built once, not per fit."""
+    from sklearn.linear_model import LogisticRegression
+    from threadpoolctl import threadpool_info
+
+    import kvtier.policies.predictor as predictor
+
+    real_fit = LogisticRegression.fit
+    during: list[set[int]] = []
+
+    def spy(self, *a, **k):  # type: ignore[no-untyped-def]
+        during.append({i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"})
+        return real_fit(self, *a, **k)
+
+    monkeypatch.setattr(LogisticRegression, "fit", spy)
+    before = {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(500, 3))
+    y = x[:, 0] + rng.normal(size=500) > 0
+    m = BinnedLogit()
+    m.fit(x, y)
+    ctrl = predictor._blas_controller()
+    m.fit(x, y)
+    assert during == [{1}, {1}]
+    assert predictor._blas_controller() is ctrl
+    assert {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"} == before
