@@ -142,39 +142,8 @@ class SlotARC:
     def contains(self, slot: int) -> bool:
         return self.where[slot] in (_T1, _T2)
 
-    def _unlink(self, x: int) -> int:
-        """Take ``x`` out of its list; return that list's id."""
-        w, pv, nx = self._w, self._pv, self._nx
-        lst = w[x]
-        a, b = pv[x], nx[x]
-        if a >= 0:
-            nx[a] = b
-        else:
-            self.head[lst] = b
-        if b >= 0:
-            pv[b] = a
-        else:
-            self.tail[lst] = a
-        self.count[lst] -= 1
-        w[x] = 0
-        return lst
-
-    def _append(self, x: int, lst: int) -> None:
-        """Put ``x`` (in no list) at the MRU end of ``lst``."""
-        pv, nx = self._pv, self._nx
-        t = self.tail[lst]
-        pv[x] = t
-        nx[x] = -1
-        if t >= 0:
-            nx[t] = x
-        else:
-            self.head[lst] = x
-        self.tail[lst] = x
-        self.count[lst] += 1
-        self._w[x] = lst
-
     def _move(self, x: int, dst: int) -> None:
-        """``_unlink(x)`` then ``_append(x, dst)`` in one call (the hot path: hits and ghost moves)."""
+        """Take ``x`` out of its list and put it at the MRU end of ``dst`` (hits and ghost moves)."""
         w, pv, nx, head, tail, cnt = self._w, self._pv, self._nx, self.head, self.tail, self.count
         lst = w[x]
         a, b = pv[x], nx[x]
@@ -199,31 +168,33 @@ class SlotARC:
         w[x] = dst
 
     def _pop_lru(self, lst: int) -> int:
-        x = self.head[lst]
-        self._unlink(x)
+        """Take ``lst``'s LRU end out of it; return it."""
+        pv, nx, head = self._pv, self._nx, self.head
+        x = head[lst]
+        b = nx[x]
+        head[lst] = b
+        if b >= 0:
+            pv[b] = -1
+        else:
+            self.tail[lst] = -1
+        self.count[lst] -= 1
+        self._w[x] = 0
         return x
 
     def _demote(self, src: int, dst: int) -> int:
         """Move ``src``'s LRU end to ``dst``'s MRU end (a replacement: T1 -> B1 or T2 -> B2); return it."""
-        w, pv, nx, head, tail, cnt = self._w, self._pv, self._nx, self.head, self.tail, self.count
-        y = head[src]
-        b = nx[y]
-        head[src] = b
-        if b >= 0:
-            pv[b] = -1
-        else:
-            tail[src] = -1
-        cnt[src] -= 1
+        y = self._pop_lru(src)
+        pv, nx, tail = self._pv, self._nx, self.tail
         t = tail[dst]
         pv[y] = t
         nx[y] = -1
         if t >= 0:
             nx[t] = y
         else:
-            head[dst] = y
+            self.head[dst] = y
         tail[dst] = y
-        cnt[dst] += 1
-        w[y] = dst
+        self.count[dst] += 1
+        self._w[y] = dst
         return y
 
     def _replace(self, in_b2: bool, evicted: list[int]) -> None:
@@ -280,15 +251,7 @@ class SlotARC:
                 l1 = n1 + cnt[_B1]
                 if l1 == c:
                     if n1 < c:
-                        y = head[_B1]  # drop B1's LRU ghost (inlined _pop_lru)
-                        b = nx[y]
-                        head[_B1] = b
-                        if b >= 0:
-                            pv[b] = -1
-                        else:
-                            tail[_B1] = -1
-                        cnt[_B1] -= 1
-                        w[y] = 0
+                        pop_lru(_B1)
                         if n1 + cnt[_T2] >= c:
                             replace(False, evicted)
                     else:
