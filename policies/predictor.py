@@ -71,8 +71,8 @@ class BinnedLogit:
 
     def _bin(self, x: FloatArray) -> npt.NDArray[np.int64]:
         """Global one-hot column per (row, feature): one searchsorted over feature-shifted edges."""
-        shifted = np.clip(x, -_SPAN, _SPAN) + self._shift
-        return np.searchsorted(self._all_edges, shifted.ravel(), side="right").reshape(x.shape) + self._fidx
+        shifted = x.clip(-_SPAN, _SPAN) + self._shift  # (the method: a third of np.clip's call overhead)
+        return self._all_edges.searchsorted(shifted.ravel(), side="right").reshape(x.shape) + self._fidx
 
     def fit(self, x: FloatArray, y: BoolArray, extra: FloatArray | None = None) -> None:
         """Fit on rows ``x`` (n, features) [+ raw ``extra`` (n, k)] with binary labels ``y``."""
