@@ -97,7 +97,7 @@ class LearnedPolicy(Policy):
         heuristic_mults: tuple[float, ...] = DEFAULT_HEURISTIC_MULTS,
         classic_key: str = "best",
         return_z: float | None = 1.0,
-        return_within: int = 1000,
+        return_within: int = 1500,
     ) -> None:
         super().__init__(capacity_blocks, seed=seed)
         unknown = [f for f in extra_features if f not in EXTRA_FEATURES]

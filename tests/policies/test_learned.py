@@ -226,7 +226,7 @@ def test_going_back_to_the_expert_just_left_takes_return_z() -> None:
         return p
 
     pol = switched_away()
-    assert pol.return_z == 1.0 and pol.return_within == 1000 and pol.switch_z == 0.5
+    assert pol.return_z == 1.0 and pol.return_within == 1500 and pol.switch_z == 0.5
     pol._follow_leader()
     assert pol._real.mult == 8.0 and len(pol.switch_log) == 1  # no whipsaw back
     pol._ex_Q[0, 1] = (80.0 / 1.2) ** 2  # z = 1.2 >= return_z: a clear lead brings it back
