@@ -86,7 +86,7 @@ class LearnedPolicy(Policy):
         experts: tuple[str, ...] = DEFAULT_EXPERTS,
         learned_mults: tuple[float, ...] = DEFAULT_LEARNED_MULTS,
         switch_every: int = 100,
-        switch_margin: float = 1.01,
+        switch_margin: float = 1.005,
         switch_z: float = 0.5,
         recency_mult: float = 1.0,
         expert_decay: float = 0.998,
@@ -96,6 +96,8 @@ class LearnedPolicy(Policy):
         extra_features: tuple[str, ...] = DEFAULT_EXTRA_FEATURES,
         heuristic_mults: tuple[float, ...] = DEFAULT_HEURISTIC_MULTS,
         classic_key: str = "best",
+        return_z: float | None = 1.0,
+        return_within: int = 1500,
     ) -> None:
         super().__init__(capacity_blocks, seed=seed)
         unknown = [f for f in extra_features if f not in EXTRA_FEATURES]
@@ -119,6 +121,12 @@ class LearnedPolicy(Policy):
         self.classic_key = classic_key
         # evidence (standard errors) needed to leave the starting expert; None: switch_z like any other
         self.home_z = switch_z if home_z is None else home_z
+        # anti-whipsaw (round 12): going back to the expert left at the last switch, within
+        # ``return_within`` requests of that switch, needs ``return_z`` (None: no extra bar)
+        self.return_z = return_z
+        self.return_within = return_within
+        self._left = -1  # the expert left at the last switch
+        self._left_at = 0  # request of that switch
         self.fallback_tau_s = 60.0
         self.tau_s = self.fallback_tau_s
         self._train_rng = np.random.default_rng(seed + 1)
@@ -484,7 +492,10 @@ class LearnedPolicy(Policy):
         ``switch_margin`` and the paired lead is ``switch_z`` standard errors above zero
         (``D[j, c] / sqrt(Q[j, c])``; ``home_z`` while c is the starting expert, so leaving the model's
         own time scale can take more evidence than coming back to it). This is the hysteresis: noise on
-        short traces does not switch.
+        short traces does not switch. Going back to the expert left at the last switch, within
+        ``return_within`` requests of it, needs ``return_z`` standard errors (round 12: a one-window lead
+        of the old expert otherwise reverses a switch whose hand-off is still being paid, and the
+        switch forward again pays it twice).
         The real cache keeps its contents (hand-off): from now on blocks the new leader holds get
         ``lead_bias`` extra log-odds in its key, so it drifts towards the leader's set by its own misses,
         never by teleporting blocks. Its own key becomes the new leader's (model or heuristic, and its
@@ -493,11 +504,14 @@ class LearnedPolicy(Policy):
         """
         c = self._lead
         best, best_z = -1, self.home_z if c == self._home else self.switch_z
+        back = self._left if self._requests - self._left_at <= self.return_within else -1
         for j in range(len(self.expert_names)):
             if j == c or self._ex_S[j] <= self.switch_margin * self._ex_S[c]:
                 continue
             q = self._ex_Q[j, c]
             zj = self._ex_D[j, c] / np.sqrt(q) if q > 0 else 0.0
+            if j == back and self.return_z is not None and zj < self.return_z:
+                continue  # the expert just left: a short lead back to it is the whipsaw, not a regime
             if zj > best_z:
                 best, best_z = j, zj
         if best < 0:
@@ -514,6 +528,7 @@ class LearnedPolicy(Policy):
         )
         if self._aliased():
             self._real = self._real.copy()  # the real cache gets its own state again
+        self._left, self._left_at = c, self._requests
         self._lead = best
         if best < self._n_keyed:
             self._real.mult = self._keyed[best].mult

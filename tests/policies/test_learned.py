@@ -205,6 +205,52 @@ def test_leaving_the_home_expert_takes_home_z_but_coming_back_takes_switch_z() -
     assert LearnedPolicy(100).home_z == LearnedPolicy(100).switch_z  # default: no asymmetry
 
 
+def test_going_back_to_the_expert_just_left_takes_return_z() -> None:
+    """Anti-whipsaw (round 12): after a switch c -> j, a lead of c over j below ``return_z`` s.e. does not
+    switch back within ``return_within`` requests (it would with the rule off); an expert that was not
+    just left needs only ``switch_z``, and once ``return_within`` has passed so does c."""
+
+    def switched_away() -> LearnedPolicy:
+        p = LearnedPolicy(
+            100, learned_mults=(1.0, 8.0, 0.1), heuristic_mults=(), experts=(), switch_margin=1.0
+        )
+        p._ex_S[:] = (1000.0, 1100.0, 900.0)
+        p._ex_D[1, 0], p._ex_Q[1, 0] = 300.0, 100.0**2  # z = 3
+        p._requests = 1000
+        p._follow_leader()
+        assert p.expert_names[p._lead] == "learned-tau-x8" and p._real.mult == 8.0
+        # one window later the home expert leads again, by 0.8 s.e.: above switch_z, below return_z
+        p._requests = 1100
+        p._ex_S[:] = (1100.0, 1000.0, 900.0)
+        p._ex_D[0, 1], p._ex_Q[0, 1] = 80.0, 100.0**2
+        return p
+
+    pol = switched_away()
+    assert pol.return_z == 1.0 and pol.return_within == 1500 and pol.switch_z == 0.5
+    pol._follow_leader()
+    assert pol._real.mult == 8.0 and len(pol.switch_log) == 1  # no whipsaw back
+    pol._ex_Q[0, 1] = (80.0 / 1.2) ** 2  # z = 1.2 >= return_z: a clear lead brings it back
+    pol._follow_leader()
+    assert pol._real.mult == 1.0 and pol.switch_log[-1]["to"] == "learned"
+
+    off = switched_away()
+    off.return_z = None  # the rule off: the same 0.8 s.e. lead switches straight back
+    off._follow_leader()
+    assert off._real.mult == 1.0 and off.switch_log[-1]["to"] == "learned"
+
+    late = switched_away()
+    late._requests = 1000 + late.return_within + 100  # long after the switch: switch_z again
+    late._follow_leader()
+    assert late._real.mult == 1.0
+
+    other = switched_away()  # the bar is only for the expert just left: a third one needs switch_z
+    other._ex_S[:] = (1000.0, 1000.0, 1100.0)
+    other._ex_D[0, 1] = 0.0
+    other._ex_D[2, 1], other._ex_Q[2, 1] = 80.0, 100.0**2
+    other._follow_leader()
+    assert other._real.mult == 0.1 and other.switch_log[-1]["to"] == "learned-tau-x0.1"
+
+
 def test_expert_switches_on_a_real_stream_only_go_to_better_experts() -> None:
     """Shared-document trace (frequency matters, so a frequency-heavy expert should win at some point)."""
     from kvtier.replay.synthetic import shared_document_trace
