@@ -233,9 +233,11 @@ def compare_cmd(
         ("gap_closed", "gap closed on prefix hit, (policy-LRU)/(Belady-LRU)"),
     ):
         t = Table(title=f"{wl.path.name}: {title}")
-        t.add_column("policy")
+        # the names never shrink (at 80 columns, e.g. piped, six capacities used to squeeze them to
+        # nothing); a capacity header wraps onto two lines instead
+        t.add_column("policy", no_wrap=True, min_width=max(len(p) for p in names))
         for h in head:
-            t.add_column(h, justify="right", no_wrap=True)
+            t.add_column(h, justify="right")
         for p in names:
             vals = [cells[(p, f)].get(metric) for f in fracs]
             if metric == "gap_closed":

@@ -160,6 +160,17 @@ def test_compare_table_json_and_plot(tmp_path: Path) -> None:
         "compare", "bundled", "--policies", "lru", "--capacities", "0.02", "--max-requests", "500"
     )
     assert code == 0 and "gap closed" in out and "belady" in out
+    # the README's table: nine policies x six capacities, rendered at 80 columns (as when piped)
+    names = "lru,fifo,lfu,lfuda,s3fifo,arc,leaf-lru,belady"
+    caps = "0.01,0.02,0.05,0.1,0.2,0.4"
+    code, out, _ = invoke(
+        "compare", "bundled", "--policies", names, "--capacities", caps, "--max-requests", "300"
+    )
+    assert code == 0, out
+    rows = [ln for ln in out.splitlines() if ln.startswith("│")]
+    assert len(rows) >= 3 * 8
+    for name in names.split(","):  # every table row starts with its policy name, in full
+        assert sum(ln.split("│")[1].strip() == name for ln in rows) == 3, name
 
 
 def test_console_script_subprocess() -> None:
