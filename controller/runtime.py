@@ -67,14 +67,15 @@ def make_actuator(
     from kvtier.controller.actuators import registry
 
     opts = dict(options or {})
-    if name == "lmcache-mp" and "url" not in opts:
-        if not lmcache_url:
-            raise ValueError("--actuator lmcache-mp needs --lmcache-url")
-        opts["url"] = lmcache_url
-    if name == "lmcache-controller" and "url" not in opts:
-        if not lmcache_controller_url:
-            raise ValueError("--actuator lmcache-controller needs --lmcache-controller-url")
-        opts["url"] = lmcache_controller_url
+    url_flags = {
+        "lmcache-mp": ("--lmcache-url", lmcache_url),
+        "lmcache-controller": ("--lmcache-controller-url", lmcache_controller_url),
+    }
+    if name in url_flags and "url" not in opts:
+        flag, url = url_flags[name]
+        if not url:
+            raise ValueError(f"--actuator {name} needs {flag}")
+        opts["url"] = url
     if name not in registry.names():
         raise ValueError(f"unknown actuator {name!r}; known: {', '.join(ACTUATOR_NAMES)}")
     try:

@@ -8,6 +8,7 @@ a few microseconds per request, so the replay stays within a small factor of LRU
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -21,15 +22,11 @@ BoolArray = npt.NDArray[np.bool_]
 _SPAN = 1e6  # feature values are clipped to [-_SPAN, _SPAN] before binning
 
 
-_BLAS: list[ThreadpoolController] = []
-
-
+@functools.cache
 def _blas_controller() -> ThreadpoolController:
     """One thread-pool controller per process: building one scans the loaded libraries (~5 ms), too much
     to repeat on every refit. Built at the first fit, once numpy/scipy's BLAS is loaded."""
-    if not _BLAS:
-        _BLAS.append(ThreadpoolController())
-    return _BLAS[0]
+    return ThreadpoolController()
 
 
 class BinnedLogit:

@@ -289,10 +289,6 @@ class SlotMap:
             return
         self.get_or_put(k[new], v[new])
 
-    def put_absent(self, keys: npt.NDArray[np.int64], values: npt.NDArray[np.int64]) -> None:
-        """Insert distinct ``keys`` the caller knows are absent."""
-        self.get_or_put(keys, values)
-
     def get_or_put(self, keys: npt.NDArray[np.int64], values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """For distinct ``keys``: each one's value if present, else insert ``values[i]`` and return it. One
         probing pass for both (a present key is met before any free bucket on its probe run). Each round,

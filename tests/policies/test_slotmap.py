@@ -148,7 +148,7 @@ def test_logit_cache_remap_rescales_live_entries_and_drops_the_rest() -> None:
 
 
 @pytest.mark.parametrize("clustered", [False, True])
-def test_put_absent_bulk_inserts_equal_a_dict_through_growth(clustered: bool) -> None:
+def test_bulk_inserts_of_absent_keys_equal_a_dict_through_growth(clustered: bool) -> None:
     """Batches of distinct absent keys (incl. keys that share home buckets, so probe runs are long and the
     scalar tail runs) through several rehashes: every key maps to its value, absent keys stay absent."""
     rng = np.random.default_rng(7)
@@ -162,7 +162,7 @@ def test_put_absent_bulk_inserts_equal_a_dict_through_growth(clustered: bool) ->
             keys = rng.integers(-(2**63), 2**63 - 1, size=n, dtype=np.int64)
         keys = np.unique(keys[~np.isin(keys, np.fromiter(ref, dtype=np.int64, count=len(ref)))])
         vals = rng.integers(0, 2**40, size=keys.size, dtype=np.int64)
-        m.put_absent(keys, vals)
+        m.get_or_put(keys, vals)
         ref.update(zip(keys.tolist(), vals.tolist(), strict=True))
         assert len(m) == len(ref)
     k = np.fromiter(ref, dtype=np.int64, count=len(ref))
@@ -172,7 +172,7 @@ def test_put_absent_bulk_inserts_equal_a_dict_through_growth(clustered: bool) ->
     probe = probe[~np.isin(probe, k)]
     assert (m.get_many(probe) == -1).all()
     with pytest.raises(ValueError):
-        m.put_absent(np.array([1, 2], dtype=np.int64), np.array([EMPTY, 3], dtype=np.int64))
+        m.get_or_put(np.array([1, 2], dtype=np.int64), np.array([EMPTY, 3], dtype=np.int64))
 
 
 def test_rehash_places_keys_whose_probe_runs_wrap_past_the_last_bucket() -> None:
