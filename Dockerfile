@@ -7,7 +7,8 @@ COPY collectors/ collectors/
 COPY policies/ policies/
 COPY controller/ controller/
 COPY replay/ replay/
-# kvtier/{collectors,policies,controller,replay} are symlinks into the folders above; the wheel follows them.
+COPY dashboards/ dashboards/
+# pyproject.toml maps the folders above into kvtier.* (package-dir)
 RUN pip wheel --no-cache-dir --no-deps -w /wheels '.[otlp]' && pip wheel --no-cache-dir -w /wheels '.[otlp]'
 
 FROM python:3.11-slim

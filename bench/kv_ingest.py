@@ -118,5 +118,6 @@ def main() -> None:
     verdict = {k: "PASS" if n / v >= 500_000 else "FAIL" for k, v in (("wall", ing_w), ("CPU", ing_c))}
     print(f"{'target >= 500,000 block events/s:':34s} {verdict['wall']:>12s} {verdict['CPU']:>12s}")
 
+
 if __name__ == "__main__":
     main()

@@ -130,4 +130,3 @@ class RequestInferrer:
             except IndexError:
                 break
         return out
-

@@ -31,8 +31,13 @@ class LMCacheControllerSample(Observation):
     workers: list[ControllerWorker] = field(default_factory=list)
 
 
-def parse_controller(key_stats: dict[str, Any], workers: dict[str, Any] | None, *,
-                     collector: str = "lmcache_controller", now: float = 0.0) -> LMCacheControllerSample:
+def parse_controller(
+    key_stats: dict[str, Any],
+    workers: dict[str, Any] | None,
+    *,
+    collector: str = "lmcache_controller",
+    now: float = 0.0,
+) -> LMCacheControllerSample:
     """Pure: the two JSON bodies -> sample. Raises ValueError on a body that is not key-stats."""
     if not isinstance(key_stats, dict) or "total_key_count" not in key_stats:
         raise ValueError(f"not a /controller/key-stats body: {str(key_stats)[:200]}")
@@ -41,17 +46,29 @@ def parse_controller(key_stats: dict[str, Any], workers: dict[str, Any] | None, 
         if not isinstance(w, dict):
             continue
         hb = w.get("last_heartbeat_time")
-        ws.append(ControllerWorker(str(w.get("instance_id", "")), int(w.get("worker_id", 0)),
-                                   str(w.get("ip", "")),
-                                   int(w.get("port") or 0), int(w.get("key_count") or 0),
-                                   None if hb is None else max(0.0, now - float(hb))))
+        ws.append(
+            ControllerWorker(
+                str(w.get("instance_id", "")),
+                int(w.get("worker_id", 0)),
+                str(w.get("ip", "")),
+                int(w.get("port") or 0),
+                int(w.get("key_count") or 0),
+                None if hb is None else max(0.0, now - float(hb)),
+            )
+        )
     return LMCacheControllerSample(
-        collector=collector, timestamp=now, total_key_count=int(key_stats["total_key_count"]),
+        collector=collector,
+        timestamp=now,
+        total_key_count=int(key_stats["total_key_count"]),
         instance_count=int(key_stats.get("total_instance_count", 0)),
         worker_count=int(key_stats.get("total_worker_count", 0)),
-        keys_by_instance={str(i.get("instance_id")): int(i.get("key_count", 0))
-                          for i in key_stats.get("instances") or [] if isinstance(i, dict)},
-        workers=ws)
+        keys_by_instance={
+            str(i.get("instance_id")): int(i.get("key_count", 0))
+            for i in key_stats.get("instances") or []
+            if isinstance(i, dict)
+        },
+        workers=ws,
+    )
 
 
 @dataclass(frozen=True, slots=True)

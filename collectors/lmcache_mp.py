@@ -72,8 +72,9 @@ def _hist(p: ParsedText, base: str) -> HistogramSummary:
     return HistogramSummary(_sum(p, base + "_count"), _sum(p, base + "_sum"), sorted(b.items()))
 
 
-def parse_lmcache_mp(metrics_text: str, status: dict[str, Any] | None, *, collector: str = "lmcache_mp",
-                     now: float = 0.0) -> LMCacheMPSample:
+def parse_lmcache_mp(
+    metrics_text: str, status: dict[str, Any] | None, *, collector: str = "lmcache_mp", now: float = 0.0
+) -> LMCacheMPSample:
     """Pure: ``/metrics`` text (+ optional ``/status`` JSON) -> :class:`LMCacheMPSample`.
 
     Raises ValueError when the text has no ``lmcache_mp_`` family at all (not an LMCache MP server)."""
@@ -97,16 +98,28 @@ def parse_lmcache_mp(metrics_text: str, status: dict[str, Any] | None, *, collec
             objects[cpu] = sum(int(m.get("total_object_count", 0)) for m in l1s)
             cap[cpu] = float(sum(m.get("memory_total_bytes", 0) for m in l1s))
     return LMCacheMPSample(
-        collector=collector, timestamp=now, used_bytes=used, capacity_bytes=cap, usage_ratio=ratio,
+        collector=collector,
+        timestamp=now,
+        used_bytes=used,
+        capacity_bytes=cap,
+        usage_ratio=ratio,
         objects=objects,
-        hit_tokens_by_tier={cpu: _sum(p, "lookup_hit_l1_tokens_total"),
-                            disk: _sum(p, "lookup_hit_l2_tokens_total")},
-        hit_keys_by_tier={cpu: _sum(p, "lookup_hit_l1_keys_total"),
-                          disk: _sum(p, "lookup_hit_l2_keys_total")},
+        hit_tokens_by_tier={
+            cpu: _sum(p, "lookup_hit_l1_tokens_total"),
+            disk: _sum(p, "lookup_hit_l2_tokens_total"),
+        },
+        hit_keys_by_tier={
+            cpu: _sum(p, "lookup_hit_l1_keys_total"),
+            disk: _sum(p, "lookup_hit_l2_keys_total"),
+        },
         counters={field_: _sum(p, name) for name, field_ in _COUNTERS.items()},
         active_prefetch_jobs=_sum(p, "active_prefetch_jobs"),
         reuse_gap_seconds=_hist(p, "l1_chunk_reuse_gap_seconds"),
-        healthy=healthy, chunk_size=chunk, families=len(fams), broken_blocks=p.broken_blocks)
+        healthy=healthy,
+        chunk_size=chunk,
+        families=len(fams),
+        broken_blocks=p.broken_blocks,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,11 +21,18 @@ _TIER_BYTES = {
     "ssd": ("master_allocated_file_size_bytes", "master_total_file_capacity_bytes"),
     "nof": ("master_nof_allocated_bytes", "master_total_nof_capacity_bytes"),
 }
-_EVICTION = ("master_evicted_key_count", "master_evicted_size_bytes", "master_attempted_evictions_total",
-             "master_successful_evictions_total", "master_evicted_key_count_mem",
-             "master_evicted_key_count_nof",
-             "master_attempted_evictions_mem", "master_attempted_evictions_nof",
-             "master_successful_evictions_mem", "master_successful_evictions_nof")
+_EVICTION = (
+    "master_evicted_key_count",
+    "master_evicted_size_bytes",
+    "master_attempted_evictions_total",
+    "master_successful_evictions_total",
+    "master_evicted_key_count_mem",
+    "master_evicted_key_count_nof",
+    "master_attempted_evictions_mem",
+    "master_attempted_evictions_nof",
+    "master_successful_evictions_mem",
+    "master_successful_evictions_nof",
+)
 _RPC = re.compile(r"^master_(?P<rpc>[a-z_]+?)_(?P<what>requests|failures)_total$")
 
 
@@ -79,15 +86,19 @@ def parse_summary(text: str) -> MooncakeSummary:
 
     ready = grab(r"service_ready=(\w+)")
     keys, pinned, clients = (grab(r"Keys:\s*(\d+)"), grab(r"soft-pinned:\s*(\d+)"), grab(r"Clients:\s*(\d+)"))
-    return MooncakeSummary(role=grab(r"role=(\w+)") or "", state=grab(r"state=(\w+)") or "",
-                           service_ready=None if ready is None else ready == "true",
-                           keys=None if keys is None else int(keys),
-                           soft_pinned=None if pinned is None else int(pinned),
-                           clients=None if clients is None else int(clients))
+    return MooncakeSummary(
+        role=grab(r"role=(\w+)") or "",
+        state=grab(r"state=(\w+)") or "",
+        service_ready=None if ready is None else ready == "true",
+        keys=None if keys is None else int(keys),
+        soft_pinned=None if pinned is None else int(pinned),
+        clients=None if clients is None else int(clients),
+    )
 
 
-def parse_mooncake(metrics_text: str, summary_text: str | None = None, *, collector: str = "mooncake",
-                   now: float = 0.0) -> MooncakeSample:
+def parse_mooncake(
+    metrics_text: str, summary_text: str | None = None, *, collector: str = "mooncake", now: float = 0.0
+) -> MooncakeSample:
     """Pure: master ``/metrics`` (+ ``/metrics/summary``) -> :class:`MooncakeSample`.
 
     Raises ValueError when no ``master_*`` family is present (not a Mooncake master)."""
@@ -101,8 +112,10 @@ def parse_mooncake(metrics_text: str, summary_text: str | None = None, *, collec
         alloc[t] = _one(p, a)
         cap[t] = _one(p, c)
     segs: dict[str, dict[str, float]] = {}
-    for sname, key in (("segment_allocated_bytes", "allocated_bytes"),
-                       ("segment_total_capacity_bytes", "capacity_bytes")):
+    for sname, key in (
+        ("segment_allocated_bytes", "allocated_bytes"),
+        ("segment_total_capacity_bytes", "capacity_bytes"),
+    ):
         for s in _samples(p, sname):
             seg = s.labels.get("segment", "")
             segs.setdefault(seg, {})[key] = float(s.value)
@@ -120,15 +133,24 @@ def parse_mooncake(metrics_text: str, summary_text: str | None = None, *, collec
         if name.startswith("master_nof_") or "_nof_" in name:
             nof[name] = v
     return MooncakeSample(
-        collector=collector, timestamp=now, key_count=_one(p, "master_key_count"),
+        collector=collector,
+        timestamp=now,
+        key_count=_one(p, "master_key_count"),
         soft_pin_key_count=_one(p, "master_soft_pin_key_count"),
         active_clients=_one(p, "master_active_clients"),
-        allocated_bytes=alloc, capacity_bytes=cap, segments=segs,
+        allocated_bytes=alloc,
+        capacity_bytes=cap,
+        segments=segs,
         eviction={n: _one(p, n) for n in _EVICTION if _samples(p, n)},
-        promotion=promo, nof=nof, rpc_requests=req, rpc_failures=fail,
+        promotion=promo,
+        nof=nof,
+        rpc_requests=req,
+        rpc_failures=fail,
         cache_hits={"cpu": _one(p, "mem_cache_hit_nums_"), "disk": _one(p, "file_cache_hit_nums_")},
         summary=parse_summary(summary_text) if summary_text else None,
-        families=len(p.types), broken_blocks=p.broken_blocks)
+        families=len(p.types),
+        broken_blocks=p.broken_blocks,
+    )
 
 
 @dataclass(frozen=True, slots=True)

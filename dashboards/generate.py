@@ -1,7 +1,7 @@
-"""Generate kvtier's Grafana dashboards (``dashboards/*.json``) from :mod:`dashboards.queries`.
+"""Generate kvtier's Grafana dashboards (``dashboards/*.json``) from :mod:`kvtier.dashboards.queries`.
 
-python -m dashboards.generate           # rewrite the JSON files
-python -m dashboards.generate --check   # exit 1 if a checked-in file differs from the generator's output
+python -m kvtier.dashboards.generate          # rewrite the JSON files
+python -m kvtier.dashboards.generate --check  # exit 1 if a checked-in file differs from the output
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dashboards import queries as q
-from dashboards.grafana import Dashboard, Target, datasource_var, query_var, stat, table, ts
+from kvtier.dashboards import queries as q
+from kvtier.dashboards.grafana import Dashboard, Target, datasource_var, query_var, stat, table, ts
 
 HERE = Path(__file__).resolve().parent
 T = Target
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text)
             print(f"wrote {path}")
     if stale:
-        print(f"stale: {', '.join(stale)}; run python -m dashboards.generate", file=sys.stderr)
+        print(f"stale: {', '.join(stale)}; run python -m kvtier.dashboards.generate", file=sys.stderr)
         return 1
     return 0
 

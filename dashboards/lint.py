@@ -1,7 +1,7 @@
 """Read kvtier's dashboard JSON back: every PromQL expression (panel targets and variable queries) with the
 Grafana variables substituted, the metric names each one needs, and a structural lint.
 
-    python -m dashboards.lint    # prints problems, exit 1 if any
+    python -m kvtier.dashboards.lint    # prints problems, exit 1 if any
 """
 
 from __future__ import annotations

@@ -13,5 +13,6 @@ if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
 "$VENV/bin/pip" install -q -U pip
 "$VENV/bin/pip" install -q -e '.[dev]'
 "$VENV/bin/ruff" check .
-"$VENV/bin/mypy"
+"$VENV/bin/ruff" format --check .
+"$VENV/bin/python" scripts/typecheck.py
 exec "$VENV/bin/python" -m pytest "$@"

@@ -59,8 +59,9 @@ class LMCacheControllerActuator(Actuator):
         self._clock = clock
 
     def capabilities(self) -> frozenset[Capability]:
-        return frozenset({Capability.PIN, Capability.LOOKUP, Capability.CLEAR, Capability.MOVE,
-                          Capability.COPY})
+        return frozenset(
+            {Capability.PIN, Capability.LOOKUP, Capability.CLEAR, Capability.MOVE, Capability.COPY}
+        )
 
     def health(self) -> AdapterHealth:
         b = self.caller.resilient.breaker
@@ -71,8 +72,9 @@ class LMCacheControllerActuator(Actuator):
         res.attempts += attempts
         return reply
 
-    def _each(self, action: str, blocks: Sequence[BlockRef],
-              one: Callable[[ActuationResult, BlockRef], KeyOutcome]) -> ActuationResult:
+    def _each(
+        self, action: str, blocks: Sequence[BlockRef], one: Callable[[ActuationResult, BlockRef], KeyOutcome]
+    ) -> ActuationResult:
         t0 = self._clock()
         a0 = self.caller.resilient.attempts_total
         res = ActuationResult(self.name, action)
@@ -96,14 +98,18 @@ class LMCacheControllerActuator(Actuator):
         d = reply.body.get("detail") if isinstance(reply.body, dict) else reply.body
         return f"HTTP {reply.status}: {str(d)[:300]}"
 
-    def pin(self, blocks: Sequence[BlockRef], tier: Tier = Tier.CPU,
-            ttl_s: float | None = None) -> ActuationResult:
+    def pin(
+        self, blocks: Sequence[BlockRef], tier: Tier = Tier.CPU, ttl_s: float | None = None
+    ) -> ActuationResult:
         loc = LOCATIONS[tier]
         note = "" if ttl_s is None else "; ttl_s ignored (worker pin_timeout_sec applies)"
 
         def one(res: ActuationResult, ref: BlockRef) -> KeyOutcome:
-            reply = self._post(res, "/pin", {"instance_id": self.instance_id, "location": loc,
-                                             "tokens": list(ref.token_ids or ())})
+            reply = self._post(
+                res,
+                "/pin",
+                {"instance_id": self.instance_id, "location": loc, "tokens": list(ref.token_ids or ())},
+            )
             if reply.status != 200 or not isinstance(reply.body, dict):
                 return KeyOutcome(ref_label(ref), Outcome.FAILED, self._refused(reply))
             n = int(reply.body.get("num_tokens", 0))
@@ -122,8 +128,11 @@ class LMCacheControllerActuator(Actuator):
             hits = {inst: v for inst, v in layout.items() if isinstance(v, list) and len(v) == 2 and v[1]}
             if not hits:
                 return KeyOutcome(ref_label(ref), Outcome.SKIPPED, "not cached")
-            return KeyOutcome(ref_label(ref), Outcome.APPLIED,
-                              ";".join(f"{i}:{loc}:{n}" for i, (loc, n) in sorted(hits.items())))
+            return KeyOutcome(
+                ref_label(ref),
+                Outcome.APPLIED,
+                ";".join(f"{i}:{loc}:{n}" for i, (loc, n) in sorted(hits.items())),
+            )
 
         return self._each("lookup", blocks, one)
 
@@ -136,8 +145,9 @@ class LMCacheControllerActuator(Actuator):
         try:
             reply = self._post(res, "/clear", {"instance_id": inst, "location": loc})
             if reply.status == 200 and isinstance(reply.body, dict):
-                res.outcomes.append(KeyOutcome(label, Outcome.APPLIED,
-                                               f"cleared {reply.body.get('num_tokens', 0)} tokens"))
+                res.outcomes.append(
+                    KeyOutcome(label, Outcome.APPLIED, f"cleared {reply.body.get('num_tokens', 0)} tokens")
+                )
             else:
                 res.outcomes.append(KeyOutcome(label, Outcome.FAILED, self._refused(reply)))
         except (CircuitOpen, TransientError) as e:
@@ -145,18 +155,23 @@ class LMCacheControllerActuator(Actuator):
         res.elapsed_s = self._clock() - t0
         return res
 
-    def _move(self, action: str, blocks: Sequence[BlockRef], src: Location, dst: Location,
-              copy: bool) -> ActuationResult:
+    def _move(
+        self, action: str, blocks: Sequence[BlockRef], src: Location, dst: Location, copy: bool
+    ) -> ActuationResult:
         def one(res: ActuationResult, ref: BlockRef) -> KeyOutcome:
-            body = {"old_position": [src.where or self.instance_id, LOCATIONS[src.tier]],
-                    "new_position": [dst.where or self.instance_id, LOCATIONS[dst.tier]],
-                    "tokens": list(ref.token_ids or ()), "should_copy": copy}
+            body = {
+                "old_position": [src.where or self.instance_id, LOCATIONS[src.tier]],
+                "new_position": [dst.where or self.instance_id, LOCATIONS[dst.tier]],
+                "tokens": list(ref.token_ids or ()),
+                "should_copy": copy,
+            }
             reply = self._post(res, "/move", body)
             if reply.status != 200 or not isinstance(reply.body, dict):
                 return KeyOutcome(ref_label(ref), Outcome.FAILED, self._refused(reply))
             n = int(reply.body.get("num_tokens", 0))
-            return KeyOutcome(ref_label(ref), Outcome.APPLIED if n > 0 else Outcome.SKIPPED,
-                              f"{action} {n} tokens")
+            return KeyOutcome(
+                ref_label(ref), Outcome.APPLIED if n > 0 else Outcome.SKIPPED, f"{action} {n} tokens"
+            )
 
         return self._each(action, blocks, one)
 
@@ -170,9 +185,11 @@ class LMCacheControllerActuator(Actuator):
         self.caller.close()
 
 
-def build(base_url: str, instance_id: str, *, timeout_s: float = 10.0,
-          resilient: Resilient | None = None) -> LMCacheControllerActuator:
+def build(
+    base_url: str, instance_id: str, *, timeout_s: float = 10.0, resilient: Resilient | None = None
+) -> LMCacheControllerActuator:
     """Default wiring: the controller's 500s are refusals (not retried); 502/504 and transport errors are."""
-    caller = HttpCaller(base_url, timeout_s=timeout_s, resilient=resilient,
-                        retry_status=frozenset({502, 504}))
+    caller = HttpCaller(
+        base_url, timeout_s=timeout_s, resilient=resilient, retry_status=frozenset({502, 504})
+    )
     return LMCacheControllerActuator(caller, instance_id=instance_id)

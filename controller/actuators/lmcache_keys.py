@@ -58,9 +58,13 @@ class ObjectKey:
     cache_salt: str = ""
 
     def encoded(self) -> dict[str, object]:
-        return {"chunk_hash_hex": self.chunk_hash_hex, "model_name": self.model_name,
-                "kv_rank": self.kv_rank, "object_group_id": self.object_group_id,
-                "cache_salt": self.cache_salt}
+        return {
+            "chunk_hash_hex": self.chunk_hash_hex,
+            "model_name": self.model_name,
+            "kv_rank": self.kv_rank,
+            "object_group_id": self.object_group_id,
+            "cache_salt": self.cache_salt,
+        }
 
     def fs_filename(self) -> str:
         """File name the ``fs`` L2 adapter stores this key under."""
@@ -69,13 +73,23 @@ class ObjectKey:
         return f"{base}@{self.cache_salt}.data" if self.cache_salt else f"{base}.data"
 
 
-def object_keys(model_name: str, token_ids: Sequence[int], chunk_size: int, *, cache_salt: str = "",
-                world_size: int = 1, ranks: Sequence[int] | None = None,
-                object_group_id: int = 0) -> list[ObjectKey]:
+def object_keys(
+    model_name: str,
+    token_ids: Sequence[int],
+    chunk_size: int,
+    *,
+    cache_salt: str = "",
+    world_size: int = 1,
+    ranks: Sequence[int] | None = None,
+    object_group_id: int = 0,
+) -> list[ObjectKey]:
     """Keys for every full chunk of ``token_ids``, chunk-major, one per rank (default: all ranks).
 
     ``model_name`` is what the engine registered: for vLLM, the ``--model`` path, not the served name.
     """
     rs = list(range(world_size)) if ranks is None else list(ranks)
-    return [ObjectKey(h.hex(), model_name, kv_rank(world_size, r), object_group_id, cache_salt)
-            for h in chunk_hashes(token_ids, chunk_size) for r in rs]
+    return [
+        ObjectKey(h.hex(), model_name, kv_rank(world_size, r), object_group_id, cache_salt)
+        for h in chunk_hashes(token_ids, chunk_size)
+        for r in rs
+    ]

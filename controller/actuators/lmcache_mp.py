@@ -68,8 +68,12 @@ class FsL2Verifier:
         """The first local ``FSL2Adapter`` listed in ``GET /status``, or None."""
         adapters = (status.get("storage_manager") or {}).get("l2_adapters") or []
         for a in adapters:
-            if (isinstance(a, dict) and a.get("type") == "FSL2Adapter" and a.get("base_path")
-                    and Path(str(a["base_path"])).is_dir()):
+            if (
+                isinstance(a, dict)
+                and a.get("type") == "FSL2Adapter"
+                and a.get("base_path")
+                and Path(str(a["base_path"])).is_dir()
+            ):
                 return cls(str(a["base_path"]))
         return None
 
@@ -87,11 +91,20 @@ class LMCacheMPActuator(Actuator):
     name = "lmcache-mp"
     token_addressed = True  # one ref's keys are the chunks of its prefix, not its layer_key
 
-    def __init__(self, caller: HttpCaller, *, world_size: int = 1, chunk_size: int | None = None,
-                 l2_verifier: L2Verifier | None = None, discover_verifier: bool = True,
-                 prefetch_timeout_s: float = 10.0, poll_interval_s: float = 0.01,
-                 model_name: str = "",
-                 clock: Clock = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        caller: HttpCaller,
+        *,
+        world_size: int = 1,
+        chunk_size: int | None = None,
+        l2_verifier: L2Verifier | None = None,
+        discover_verifier: bool = True,
+        prefetch_timeout_s: float = 10.0,
+        poll_interval_s: float = 0.01,
+        model_name: str = "",
+        clock: Clock = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         """``model_name``: LMCache's model name (vLLM's ``--model`` path) used instead of ``BlockRef.model``
         when set (the loop's refs carry the served name)."""
         self.caller = caller
@@ -127,8 +140,16 @@ class LMCacheMPActuator(Actuator):
         return self._verifier
 
     def capabilities(self) -> frozenset[Capability]:
-        caps = {Capability.PROMOTE, Capability.PREFETCH, Capability.EVICT, Capability.CLEAR,
-                Capability.QUOTA, Capability.DEMOTE, Capability.PIN, Capability.UNPIN}
+        caps = {
+            Capability.PROMOTE,
+            Capability.PREFETCH,
+            Capability.EVICT,
+            Capability.CLEAR,
+            Capability.QUOTA,
+            Capability.DEMOTE,
+            Capability.PIN,
+            Capability.UNPIN,
+        }
         return frozenset(caps)
 
     def health(self) -> AdapterHealth:
@@ -144,12 +165,19 @@ class LMCacheMPActuator(Actuator):
         ranks = None if ref.rank is None else [ref.rank]
         model = self._model(ref)
         if ref.token_ids:
-            return object_keys(model, ref.token_ids, self.chunk_size(), cache_salt=ref.cache_salt,
-                               world_size=self.world_size, ranks=ranks)
+            return object_keys(
+                model,
+                ref.token_ids,
+                self.chunk_size(),
+                cache_salt=ref.cache_salt,
+                world_size=self.world_size,
+                ranks=ranks,
+            )
         if ref.layer_key:
             rs = range(self.world_size) if ref.rank is None else [ref.rank]
-            return [ObjectKey(ref.layer_key, model, kv_rank(self.world_size, r), 0, ref.cache_salt)
-                    for r in rs]
+            return [
+                ObjectKey(ref.layer_key, model, kv_rank(self.world_size, r), 0, ref.cache_salt) for r in rs
+            ]
         return []
 
     def _expand(self, blocks: Sequence[BlockRef]) -> list[ObjectKey]:
@@ -164,8 +192,12 @@ class LMCacheMPActuator(Actuator):
         reply, _ = self.caller.request(method, path, body)
         return reply
 
-    def _guarded(self, action: str, blocks: Sequence[BlockRef],
-                 body: Callable[[ActuationResult, list[ObjectKey]], None]) -> ActuationResult:
+    def _guarded(
+        self,
+        action: str,
+        blocks: Sequence[BlockRef],
+        body: Callable[[ActuationResult, list[ObjectKey]], None],
+    ) -> ActuationResult:
         t0 = self._clock()
         a0 = self.caller.resilient.attempts_total
         res = ActuationResult(self.name, action)
@@ -205,29 +237,46 @@ class LMCacheMPActuator(Actuator):
     def _prefetch(self, action: str, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
         def run(res: ActuationResult, keys: list[ObjectKey]) -> None:
             if to is not Tier.CPU:
-                res.outcomes.extend(all_keys([_label(k, self.world_size) for k in keys], Outcome.FAILED,
-                                             f"LMCache MP only loads disk (l2) -> cpu (l1), not -> {to}"))
+                res.outcomes.extend(
+                    all_keys(
+                        [_label(k, self.world_size) for k in keys],
+                        Outcome.FAILED,
+                        f"LMCache MP only loads disk (l2) -> cpu (l1), not -> {to}",
+                    )
+                )
                 return
             for ref in blocks:
                 ref_keys = self.keys_for(ref)
                 labels = [_label(k, self.world_size) for k in ref_keys]
                 if not ref.token_ids:
-                    res.outcomes.extend(all_keys(labels or [ref.layer_key], Outcome.FAILED,
-                                                 "prefetch is token-addressed: BlockRef.token_ids needed"))
+                    res.outcomes.extend(
+                        all_keys(
+                            labels or [ref.layer_key],
+                            Outcome.FAILED,
+                            "prefetch is token-addressed: BlockRef.token_ids needed",
+                        )
+                    )
                     continue
                 if not ref_keys:
-                    res.outcomes.append(KeyOutcome(ref.layer_key or "*", Outcome.SKIPPED,
-                                                   "shorter than one chunk"))
+                    res.outcomes.append(
+                        KeyOutcome(ref.layer_key or "*", Outcome.SKIPPED, "shorter than one chunk")
+                    )
                     continue
                 res.outcomes.extend(self._prefetch_one(res, ref, ref_keys, labels))
 
         return self._guarded(action, blocks, run)
 
-    def _prefetch_one(self, res: ActuationResult, ref: BlockRef, keys: list[ObjectKey],
-                      labels: list[str]) -> list[KeyOutcome]:
-        body = {"model_name": self._model(ref), "world_size": self.world_size,
-                "token_ids": list(ref.token_ids or ()), "cache_salt": ref.cache_salt,
-                "source_tier": "l2", "target_tier": "l1"}
+    def _prefetch_one(
+        self, res: ActuationResult, ref: BlockRef, keys: list[ObjectKey], labels: list[str]
+    ) -> list[KeyOutcome]:
+        body = {
+            "model_name": self._model(ref),
+            "world_size": self.world_size,
+            "token_ids": list(ref.token_ids or ()),
+            "cache_salt": ref.cache_salt,
+            "source_tier": "l2",
+            "target_tier": "l1",
+        }
         reply = self._call(res, "POST", "/cache/prefetches", body)
         if reply.status != 202 or not isinstance(reply.body, dict):
             return all_keys(labels, Outcome.FAILED, f"HTTP {reply.status}: {_detail(reply)}")
@@ -243,8 +292,9 @@ class LMCacheMPActuator(Actuator):
             if st.status != 200:
                 return all_keys(labels, Outcome.FAILED, f"poll HTTP {st.status}: {_detail(st)}")
             if self._clock() >= deadline:
-                return all_keys(labels, Outcome.FAILED, f"prefetch {rid} not completed in "
-                                                        f"{self.prefetch_timeout_s} s")
+                return all_keys(
+                    labels, Outcome.FAILED, f"prefetch {rid} not completed in {self.prefetch_timeout_s} s"
+                )
             self._sleep(self.poll_interval_s)
         found, total = int(st.body.get("found_keys", 0)), int(st.body.get("total_keys", 0))
         detail = f"prefetch {rid}: found {found}/{total} in l2"
@@ -253,9 +303,14 @@ class LMCacheMPActuator(Actuator):
         v = self.verifier()
         if v is None:
             return all_keys(labels, Outcome.FAILED, detail + " (no per-key L2 view)")
-        return [KeyOutcome(lb, Outcome.APPLIED if v.has_copy(k) else Outcome.FAILED,
-                           detail if v.has_copy(k) else detail + "; key not in l2")
-                for k, lb in zip(keys, labels, strict=True)]
+        return [
+            KeyOutcome(
+                lb,
+                Outcome.APPLIED if v.has_copy(k) else Outcome.FAILED,
+                detail if v.has_copy(k) else detail + "; key not in l2",
+            )
+            for k, lb in zip(keys, labels, strict=True)
+        ]
 
     # ---- emulated pins ---------------------------------------------------------------------------
     @staticmethod
@@ -266,14 +321,16 @@ class LMCacheMPActuator(Actuator):
         with self._pins_lock:
             return list(self._pins.values())
 
-    def pin(self, blocks: Sequence[BlockRef], tier: Tier = Tier.CPU,
-            ttl_s: float | None = None) -> ActuationResult:
+    def pin(
+        self, blocks: Sequence[BlockRef], tier: Tier = Tier.CPU, ttl_s: float | None = None
+    ) -> ActuationResult:
         """Keep prefixes in L1 (``cpu``): promote now and on every :meth:`refresh_pins`. ``ttl_s`` is
         ignored (the pin lasts until :meth:`unpin`)."""
         if tier is not Tier.CPU:
             res = ActuationResult(self.name, "pin")
-            res.outcomes.append(KeyOutcome("*", Outcome.FAILED,
-                                           f"LMCache MP pins (emulated) to cpu only, not {tier}"))
+            res.outcomes.append(
+                KeyOutcome("*", Outcome.FAILED, f"LMCache MP pins (emulated) to cpu only, not {tier}")
+            )
             return res
         refs = [b for b in blocks if b.token_ids]
         with self._pins_lock:
@@ -287,9 +344,13 @@ class LMCacheMPActuator(Actuator):
         with self._pins_lock:
             for b in blocks:
                 gone = self._pins.pop(self._pin_key(b), None)
-                res.outcomes.append(KeyOutcome(b.layer_key or f"tokens:{len(b.token_ids or ())}",
-                                               Outcome.APPLIED if gone else Outcome.SKIPPED,
-                                               "unpinned" if gone else "was not pinned"))
+                res.outcomes.append(
+                    KeyOutcome(
+                        b.layer_key or f"tokens:{len(b.token_ids or ())}",
+                        Outcome.APPLIED if gone else Outcome.SKIPPED,
+                        "unpinned" if gone else "was not pinned",
+                    )
+                )
         return res
 
     def refresh_pins(self) -> ActuationResult:
@@ -299,16 +360,23 @@ class LMCacheMPActuator(Actuator):
         kept: list[BlockRef] = []
         for b in refs:
             t = b.token_ids or ()
-            if not any(k.model == b.model and k.cache_salt == b.cache_salt
-                       and (k.token_ids or ())[: len(t)] == t for k in kept):
+            if not any(
+                k.model == b.model and k.cache_salt == b.cache_salt and (k.token_ids or ())[: len(t)] == t
+                for k in kept
+            ):
                 kept.append(b)
         return self._prefetch("pin_refresh", kept, Tier.CPU)
 
     def demote(self, blocks: Sequence[BlockRef], to: Tier = Tier.DISK) -> ActuationResult:
         def run(res: ActuationResult, keys: list[ObjectKey]) -> None:
             if to is not Tier.DISK:
-                res.outcomes.extend(all_keys([_label(k, self.world_size) for k in keys], Outcome.FAILED,
-                                             f"LMCache MP demotes cpu (l1) -> disk (l2) only, not -> {to}"))
+                res.outcomes.extend(
+                    all_keys(
+                        [_label(k, self.world_size) for k in keys],
+                        Outcome.FAILED,
+                        f"LMCache MP demotes cpu (l1) -> disk (l2) only, not -> {to}",
+                    )
+                )
                 return
             self._safe_l1_free(res, keys)
 
@@ -319,8 +387,13 @@ class LMCacheMPActuator(Actuator):
         for k in keys:
             if v is None or not v.has_copy(k):
                 why = "no L2 view to verify the copy" if v is None else "no L2 copy"
-                res.outcomes.append(KeyOutcome(_label(k, self.world_size), Outcome.SKIPPED,
-                                               f"{why}; refusing to delete the last copy"))
+                res.outcomes.append(
+                    KeyOutcome(
+                        _label(k, self.world_size),
+                        Outcome.SKIPPED,
+                        f"{why}; refusing to delete the last copy",
+                    )
+                )
                 continue
             res.outcomes.append(self._delete(res, k, "l1"))
 
@@ -331,8 +404,13 @@ class LMCacheMPActuator(Actuator):
                 return
             wire = "all" if tier is None else _TIER_WIRE.get(tier)
             if wire is None:
-                res.outcomes.extend(all_keys([_label(k, self.world_size) for k in keys], Outcome.FAILED,
-                                             f"LMCache MP has no tier {tier}"))
+                res.outcomes.extend(
+                    all_keys(
+                        [_label(k, self.world_size) for k in keys],
+                        Outcome.FAILED,
+                        f"LMCache MP has no tier {tier}",
+                    )
+                )
                 return
             for k in keys:
                 res.outcomes.append(self._delete(res, k, wire))
@@ -346,8 +424,13 @@ class LMCacheMPActuator(Actuator):
                 return
             reply = self._call(res, "POST", "/cache/clear", {"tier": "l1", "force": False})
             ok = reply.status == 200
-            res.outcomes.append(KeyOutcome("l1", Outcome.APPLIED if ok else Outcome.FAILED,
-                                           "" if ok else f"HTTP {reply.status}: {_detail(reply)}"))
+            res.outcomes.append(
+                KeyOutcome(
+                    "l1",
+                    Outcome.APPLIED if ok else Outcome.FAILED,
+                    "" if ok else f"HTTP {reply.status}: {_detail(reply)}",
+                )
+            )
 
         return self._guarded("clear", [], run)
 
@@ -359,8 +442,13 @@ class LMCacheMPActuator(Actuator):
             else:
                 reply = self._call(res, "PUT", path, {"limit_gb": limit_bytes / float(1 << 30)})
             ok = reply.status == 200
-            res.outcomes.append(KeyOutcome(cache_salt, Outcome.APPLIED if ok else Outcome.FAILED,
-                                           "" if ok else f"HTTP {reply.status}: {_detail(reply)}"))
+            res.outcomes.append(
+                KeyOutcome(
+                    cache_salt,
+                    Outcome.APPLIED if ok else Outcome.FAILED,
+                    "" if ok else f"HTTP {reply.status}: {_detail(reply)}",
+                )
+            )
 
         return self._guarded("quota", [], run)
 

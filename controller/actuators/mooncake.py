@@ -63,10 +63,18 @@ class MooncakeActuator(Actuator):
 
     name = "mooncake"
 
-    def __init__(self, store: MooncakeStore, admin: HttpCaller, *, bindings: Any = None,
-                 resilient: Resilient | None = None, task_timeout_s: float = 15.0,
-                 poll_interval_s: float = 0.05, clock: Clock = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        store: MooncakeStore,
+        admin: HttpCaller,
+        *,
+        bindings: Any = None,
+        resilient: Resilient | None = None,
+        task_timeout_s: float = 15.0,
+        poll_interval_s: float = 0.05,
+        clock: Clock = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         if bindings is None:  # pragma: no cover - needs the Mooncake wheel
             import importlib
 
@@ -81,8 +89,17 @@ class MooncakeActuator(Actuator):
         self._sleep = sleep
 
     def capabilities(self) -> frozenset[Capability]:
-        return frozenset({Capability.COPY, Capability.MOVE, Capability.PIN, Capability.UNPIN,
-                          Capability.EVICT, Capability.HARD_PIN, Capability.LOOKUP})
+        return frozenset(
+            {
+                Capability.COPY,
+                Capability.MOVE,
+                Capability.PIN,
+                Capability.UNPIN,
+                Capability.EVICT,
+                Capability.HARD_PIN,
+                Capability.LOOKUP,
+            }
+        )
 
     def health(self) -> AdapterHealth:
         """The worse of the client-call breaker and the master-admin breaker."""
@@ -111,8 +128,9 @@ class MooncakeActuator(Actuator):
             return None
         return [str(d.get("transport_endpoint_")) for d in body.get("data") or [] if isinstance(d, dict)]
 
-    def _run(self, action: str, blocks: Sequence[BlockRef],
-             per_key: Callable[[str], KeyOutcome]) -> ActuationResult:
+    def _run(
+        self, action: str, blocks: Sequence[BlockRef], per_key: Callable[[str], KeyOutcome]
+    ) -> ActuationResult:
         t0 = self._clock()
         a0 = self.resilient.attempts_total + self.admin.resilient.attempts_total
         res = ActuationResult(self.name, action)
@@ -125,8 +143,13 @@ class MooncakeActuator(Actuator):
             except TransientError as e:
                 res.outcomes.append(KeyOutcome(k, Outcome.FAILED, f"unreachable: {e}"))
         missing = [b for b in blocks if not b.layer_key]
-        res.outcomes.extend(all_keys(["*"] if missing else [], Outcome.FAILED,
-                                     "Mooncake is key-addressed: BlockRef.layer_key needed"))
+        res.outcomes.extend(
+            all_keys(
+                ["*"] if missing else [],
+                Outcome.FAILED,
+                "Mooncake is key-addressed: BlockRef.layer_key needed",
+            )
+        )
         res.attempts = self.resilient.attempts_total + self.admin.resilient.attempts_total - a0
         res.elapsed_s = self._clock() - t0
         return res
@@ -185,8 +208,9 @@ class MooncakeActuator(Actuator):
 
         return self._run("move", blocks, one)
 
-    def _rewrite(self, key: str, action: str, *, ttl_s: float | None = None,
-                 hard: bool = False) -> KeyOutcome:
+    def _rewrite(
+        self, key: str, action: str, *, ttl_s: float | None = None, hard: bool = False
+    ) -> KeyOutcome:
         segs = self.segments(key)
         if not segs:
             return KeyOutcome(key, Outcome.FAILED, "key not found")
@@ -213,15 +237,23 @@ class MooncakeActuator(Actuator):
             return KeyOutcome(key, Outcome.FAILED, f"upsert rc {rc}")
         return KeyOutcome(key, Outcome.APPLIED, f"upsert soft_pin {action}; replicas {sorted(segs)}")
 
-    def pin(self, blocks: Sequence[BlockRef], tier: Tier = Tier.CPU,
-            ttl_s: float | None = None) -> ActuationResult:
+    def pin(
+        self, blocks: Sequence[BlockRef], tier: Tier = Tier.CPU, ttl_s: float | None = None
+    ) -> ActuationResult:
         return self._run("pin", blocks, lambda k: self._rewrite(k, "pin", ttl_s=ttl_s))
 
     def unpin(self, blocks: Sequence[BlockRef], tier: Tier = Tier.CPU) -> ActuationResult:
         return self._run("unpin", blocks, lambda k: self._rewrite(k, "unpin"))
 
-    def write(self, key: str, value: bytes, *, hard_pin: bool = False, soft_pin_ttl_s: float | None = None,
-              segment: str | None = None) -> ActuationResult:
+    def write(
+        self,
+        key: str,
+        value: bytes,
+        *,
+        hard_pin: bool = False,
+        soft_pin_ttl_s: float | None = None,
+        segment: str | None = None,
+    ) -> ActuationResult:
         """Put ``value`` under ``key`` with a hard pin and/or a soft pin (pins are set at write time)."""
 
         def one(k: str) -> KeyOutcome:
@@ -237,8 +269,9 @@ class MooncakeActuator(Actuator):
 
         return self._run("hard_pin" if hard_pin else "write", [BlockRef(layer_key=key)], one)
 
-    def evict(self, blocks: Sequence[BlockRef], tier: Tier | None = None, *,
-              force: bool = False) -> ActuationResult:
+    def evict(
+        self, blocks: Sequence[BlockRef], tier: Tier | None = None, *, force: bool = False
+    ) -> ActuationResult:
         def one(key: str) -> KeyOutcome:
             # no is_exist() first: an existence check grants the caller a lease and would block the remove
             rc = self._client(lambda: self.store.remove(key, force))

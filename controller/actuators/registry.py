@@ -31,8 +31,15 @@ def build(name: str, **settings: Any) -> Actuator:
     return factory(**settings)
 
 
-def _lmcache_mp(*, url: str, timeout_s: float = 5.0, retries: int = 3, breaker_failures: int = 3,
-                breaker_reset_s: float = 5.0, **kw: Any) -> Actuator:
+def _lmcache_mp(
+    *,
+    url: str,
+    timeout_s: float = 5.0,
+    retries: int = 3,
+    breaker_failures: int = 3,
+    breaker_reset_s: float = 5.0,
+    **kw: Any,
+) -> Actuator:
     """``url``: the MP server's HTTP address (``--http-host/--http-port``). ``retries``: attempts per
     request; the circuit breaker opens after ``breaker_failures`` consecutive failures and lets a trial call
     through after ``breaker_reset_s`` seconds. Other keywords go to :class:`LMCacheMPActuator`
@@ -41,10 +48,14 @@ def _lmcache_mp(*, url: str, timeout_s: float = 5.0, retries: int = 3, breaker_f
     from .resilience import CircuitBreaker, Resilient, RetryPolicy
 
     if retries < 1 or breaker_failures < 1 or breaker_reset_s < 0 or timeout_s <= 0:
-        raise ValueError("lmcache-mp: need retries >= 1, breaker_failures >= 1, breaker_reset_s >= 0, "
-                         f"timeout_s > 0 (got {retries}, {breaker_failures}, {breaker_reset_s}, {timeout_s})")
-    resilient = Resilient(RetryPolicy(max_attempts=retries),
-                          CircuitBreaker(failure_threshold=breaker_failures, reset_timeout_s=breaker_reset_s))
+        raise ValueError(
+            "lmcache-mp: need retries >= 1, breaker_failures >= 1, breaker_reset_s >= 0, "
+            f"timeout_s > 0 (got {retries}, {breaker_failures}, {breaker_reset_s}, {timeout_s})"
+        )
+    resilient = Resilient(
+        RetryPolicy(max_attempts=retries),
+        CircuitBreaker(failure_threshold=breaker_failures, reset_timeout_s=breaker_reset_s),
+    )
     return LMCacheMPActuator(HttpCaller(url, timeout_s=timeout_s, resilient=resilient), **kw)
 
 
@@ -54,9 +65,17 @@ def _lmcache_controller(*, url: str, instance_id: str, timeout_s: float = 10.0) 
     return build_controller(url, instance_id, timeout_s=timeout_s)
 
 
-def _mooncake(*, admin_url: str, local_hostname: str, metadata_url: str, master_addr: str,
-              segment_bytes: int = 64 << 20, buffer_bytes: int = 16 << 20, protocol: str = "tcp",
-              timeout_s: float = 5.0) -> Actuator:
+def _mooncake(
+    *,
+    admin_url: str,
+    local_hostname: str,
+    metadata_url: str,
+    master_addr: str,
+    segment_bytes: int = 64 << 20,
+    buffer_bytes: int = 16 << 20,
+    protocol: str = "tcp",
+    timeout_s: float = 5.0,
+) -> Actuator:
     """Sets up a Mooncake client (needs the ``mooncake-transfer-engine`` wheel in this interpreter)."""
     import importlib
 

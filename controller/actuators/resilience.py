@@ -46,8 +46,9 @@ class CircuitBreaker:
     """closed -> open after ``failure_threshold`` consecutive failures; open -> half_open after
     ``reset_timeout_s``; one trial call in half_open closes it on success or re-opens it on failure."""
 
-    def __init__(self, failure_threshold: int = 3, reset_timeout_s: float = 5.0,
-                 clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self, failure_threshold: int = 3, reset_timeout_s: float = 5.0, clock: Clock = time.monotonic
+    ) -> None:
         self.failure_threshold = failure_threshold
         self.reset_timeout_s = reset_timeout_s
         self._clock = clock
@@ -110,8 +111,13 @@ class Resilient:
     anything else propagates at once and does not count against the breaker.
     """
 
-    def __init__(self, retry: RetryPolicy | None = None, breaker: CircuitBreaker | None = None,
-                 sleep: Sleeper = time.sleep, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        retry: RetryPolicy | None = None,
+        breaker: CircuitBreaker | None = None,
+        sleep: Sleeper = time.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
         self.retry = retry or RetryPolicy()
         self.breaker = breaker or CircuitBreaker()
         self._sleep = sleep
@@ -151,9 +157,15 @@ class HttpCaller:
     """JSON-over-HTTP with :class:`Resilient`. 5xx other than 501/503 and transport errors are
     transient; 501/503 (a live server that refuses) and 4xx are returned to the caller."""
 
-    def __init__(self, base_url: str, *, client: httpx.Client | None = None, timeout_s: float = 5.0,
-                 resilient: Resilient | None = None,
-                 retry_status: frozenset[int] = frozenset({500, 502, 504})) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        client: httpx.Client | None = None,
+        timeout_s: float = 5.0,
+        resilient: Resilient | None = None,
+        retry_status: frozenset[int] = frozenset({500, 502, 504}),
+    ) -> None:
         self.retry_status = retry_status
         self.base_url = base_url.rstrip("/")
         self._client = client or httpx.Client(timeout=timeout_s)

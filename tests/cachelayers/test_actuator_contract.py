@@ -38,8 +38,11 @@ def test_unadvertised_actions_raise_not_supported() -> None:
 
 def test_demote_without_an_l2_view_never_deletes() -> None:
     sent: list[tuple[str, str]] = []
-    status = {"is_healthy": True, "chunk_size": 64,
-              "storage_manager": {"l2_adapters": [{"type": "S3L2Adapter", "is_healthy": True}]}}
+    status = {
+        "is_healthy": True,
+        "chunk_size": 64,
+        "storage_manager": {"l2_adapters": [{"type": "S3L2Adapter", "is_healthy": True}]},
+    }
 
     def handler(r: httpx.Request) -> httpx.Response:
         sent.append((r.method, r.url.path))
@@ -121,8 +124,9 @@ def test_mooncake_failed_pin_rewrite_restores_the_key() -> None:
 
     def admin(r: httpx.Request) -> httpx.Response:
         present = "k" in store.data
-        return httpx.Response(200, json={"success": present,
-                                         "data": [{"transport_endpoint_": "seg-a"}] if present else []})
+        return httpx.Response(
+            200, json={"success": present, "data": [{"transport_endpoint_": "seg-a"}] if present else []}
+        )
 
     caller = HttpCaller("http://m", client=httpx.Client(transport=httpx.MockTransport(admin)))
     act = MooncakeActuator(store, caller, bindings=_Bindings)  # type: ignore[arg-type]

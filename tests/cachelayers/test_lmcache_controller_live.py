@@ -116,18 +116,22 @@ def _own_view(url: str) -> dict[str, Any]:
     """The controller's own API, reduced to the figures kvtier's collector reports."""
     ks = httpx.get(url + "/controller/key-stats", timeout=5).json()
     ws = httpx.get(url + "/controller/workers", timeout=5).json().get("workers") or []
-    return {"total_key_count": ks["total_key_count"], "instance_count": ks.get("total_instance_count"),
-            "worker_count": ks.get("total_worker_count"),
-            "keys_by_instance": {str(i["instance_id"]): i["key_count"] for i in ks.get("instances") or []},
-            "workers": sorted([w["instance_id"], w["worker_id"], w["ip"], w["port"], w["key_count"]]
-                              for w in ws)}
+    return {
+        "total_key_count": ks["total_key_count"],
+        "instance_count": ks.get("total_instance_count"),
+        "worker_count": ks.get("total_worker_count"),
+        "keys_by_instance": {str(i["instance_id"]): i["key_count"] for i in ks.get("instances") or []},
+        "workers": sorted([w["instance_id"], w["worker_id"], w["ip"], w["port"], w["key_count"]] for w in ws),
+    }
 
 
 def _sidecar_view(sidecar: str, name: str) -> dict[str, Any]:
     lt = cache_layer(sidecar, name)["latest"]
     return {k: lt[k] for k in ("total_key_count", "instance_count", "worker_count", "keys_by_instance")} | {
-        "workers": sorted([w["instance_id"], w["worker_id"], w["ip"], w["port"], w["key_count"]]
-                          for w in lt["workers"])}
+        "workers": sorted(
+            [w["instance_id"], w["worker_id"], w["ip"], w["port"], w["key_count"]] for w in lt["workers"]
+        )
+    }
 
 
 def _both_when_equal(sidecar: str, name: str, url: str, keys: int) -> dict[str, Any] | None:
@@ -148,21 +152,47 @@ def _serve_main(workdir: Path) -> dict[str, Any]:
         name = f"lmcache_controller:127.0.0.1:{cl.http_port}"
         log = workdir / "serve.log"
         # the actuator takes its URL from --lmcache-controller-url too (only the worker id is an option)
-        serve = start([sys.executable, "-m", "kvtier", "serve", "--lmcache-controller-url", cl.url,
-                       "--actuator", "lmcache-controller",
-                       "--listen", f"127.0.0.1:{port}", "--state-dir", str(workdir / "state")], log,
-                      env={"KVTIER_SCRAPE_INTERVAL_S": "0.3", "KVTIER_STORAGE_INTERVAL_S": "0.3",
-                           "KVTIER_ACTUATOR_OPTIONS": json.dumps({"lmcache-controller":
-                                                                  {"instance_id": "standalone0"}})},
-                      new_session=False)
-        out["empty"] = wait_for(lambda: _both_when_equal(sidecar, name, cl.url, 0), 60,
-                                "sidecar shows the empty controller", proc=serve, log=log)
+        serve = start(
+            [
+                sys.executable,
+                "-m",
+                "kvtier",
+                "serve",
+                "--lmcache-controller-url",
+                cl.url,
+                "--actuator",
+                "lmcache-controller",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--state-dir",
+                str(workdir / "state"),
+            ],
+            log,
+            env={
+                "KVTIER_SCRAPE_INTERVAL_S": "0.3",
+                "KVTIER_STORAGE_INTERVAL_S": "0.3",
+                "KVTIER_ACTUATOR_OPTIONS": json.dumps({"lmcache-controller": {"instance_id": "standalone0"}}),
+            },
+            new_session=False,
+        )
+        out["empty"] = wait_for(
+            lambda: _both_when_equal(sidecar, name, cl.url, 0),
+            60,
+            "sidecar shows the empty controller",
+            proc=serve,
+            log=log,
+        )
         layer = cache_layer(sidecar, name)
         out.update(name=name, kind=layer["kind"], url=layer["url"], controller_url=cl.url)
         out["actuators"] = httpx.get(sidecar + "/v1/status", timeout=5).json()["controller"]["actuators"]
         out["store"] = cl.store(0, cl.chunk_size * 2)
-        out["stored"] = wait_for(lambda: _both_when_equal(sidecar, name, cl.url, 2), 30,
-                                 "sidecar shows the stored chunks", proc=serve, log=log)
+        out["stored"] = wait_for(
+            lambda: _both_when_equal(sidecar, name, cl.url, 2),
+            30,
+            "sidecar shows the stored chunks",
+            proc=serve,
+            log=log,
+        )
         out["up_before_stop"] = httpx.get(sidecar + "/readyz", timeout=5).status_code == 200
         cl.stop()
         out.update(down_report(sidecar, name, "controller", serve, log))

@@ -31,14 +31,18 @@ print(json.dumps(out))
 
 def test_keys_match_lmcache() -> None:
     py = require_env("KVTIER_LMCACHE_PYTHON")
-    cases = [("tiny", list(range(1, 257)), 64, "", 1, 0),
-             ("/work/peers/tiny-llama", [7] * 200, 64, "tenantA", 1, 0),
-             ("m/x", list(range(1000, 1600)), 256, "", 2, 1),
-             ("tiny", list(range(10)), 64, "", 1, 0)]
+    cases = [
+        ("tiny", list(range(1, 257)), 64, "", 1, 0),
+        ("/work/peers/tiny-llama", [7] * 200, 64, "tenantA", 1, 0),
+        ("m/x", list(range(1000, 1600)), 256, "", 2, 1),
+        ("tiny", list(range(10)), 64, "", 1, 0),
+    ]
     import os
+
     env = dict(os.environ, **PEER_ENV)
-    r = subprocess.run([py, "-c", SCRIPT], input=json.dumps(cases), capture_output=True, text=True,
-                       timeout=300, env=env)
+    r = subprocess.run(
+        [py, "-c", SCRIPT], input=json.dumps(cases), capture_output=True, text=True, timeout=300, env=env
+    )
     if r.returncode != 0 and "_object_key_to_filename" in r.stderr:
         pytest.fail("LMCache fs adapter helper moved: " + r.stderr[-500:])
     assert r.returncode == 0, r.stderr[-2000:]

@@ -43,12 +43,16 @@ class Rig:
         self.filler = 50_000
         self.act = LMCacheMPActuator(HttpCaller(server.url, timeout_s=10.0))
         self.loop = asyncio.new_event_loop()
-        self.collector = LMCacheMPCollector("lmcache_mp:test", server.url, client=httpx.AsyncClient(),
-                                            registry=CollectorRegistry())
+        self.collector = LMCacheMPCollector(
+            "lmcache_mp:test", server.url, client=httpx.AsyncClient(), registry=CollectorRegistry()
+        )
 
     def complete(self, prompt: str) -> dict[str, Any]:
-        r = httpx.post(self.vllm.url + "/v1/completions", timeout=120,
-                       json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+        r = httpx.post(
+            self.vllm.url + "/v1/completions",
+            timeout=120,
+            json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0},
+        )
         r.raise_for_status()
         return dict(r.json())
 
@@ -57,8 +61,11 @@ class Rig:
         from tests.peers.sidecar import wait_for
 
         names = {k.fs_filename() for k in keys}
-        wait_for(lambda: names <= {f.name for f in self.server.l2_dir.iterdir()}, timeout_s,
-                 f"{len(names)} L2 files in {self.server.l2_dir}")
+        wait_for(
+            lambda: names <= {f.name for f in self.server.l2_dir.iterdir()},
+            timeout_s,
+            f"{len(names)} L2 files in {self.server.l2_dir}",
+        )
 
     def tokens(self, prompt: str) -> list[int]:
         r = httpx.post(self.vllm.url + "/tokenize", json={"model": "tiny", "prompt": prompt}, timeout=30)
@@ -73,10 +80,13 @@ class Rig:
     def counters(self) -> dict[str, float]:
         obs = self.loop.run_until_complete(self.collector.poll())
         assert obs is not None, self.collector.health
-        return {"l1": scrape_sum(self.server.url, "lmcache_mp_lookup_hit_l1_tokens_total"),
-                "l2": scrape_sum(self.server.url, "lmcache_mp_lookup_hit_l2_tokens_total"),
-                "ext": scrape_sum(self.vllm.url, "vllm:external_prefix_cache_hits_total"),
-                "kvtier_cpu": obs.hit_tokens_by_tier["cpu"], "kvtier_disk": obs.hit_tokens_by_tier["disk"]}
+        return {
+            "l1": scrape_sum(self.server.url, "lmcache_mp_lookup_hit_l1_tokens_total"),
+            "l2": scrape_sum(self.server.url, "lmcache_mp_lookup_hit_l2_tokens_total"),
+            "ext": scrape_sum(self.vllm.url, "vllm:external_prefix_cache_hits_total"),
+            "kvtier_cpu": obs.hit_tokens_by_tier["cpu"],
+            "kvtier_disk": obs.hit_tokens_by_tier["disk"],
+        }
 
     def ask(self, tag: str, prompt: str) -> dict[str, float]:
         c0 = self.counters()
@@ -132,8 +142,13 @@ def test_kvtier_moves_change_where_vllms_next_hit_comes_from(rig: Rig) -> None:
     assert again.ok and again.count(Outcome.APPLIED) + again.count(Outcome.SKIPPED) == n_keys
     res = rig.act.promote([ref], Tier.CPU)
     assert res.count(Outcome.APPLIED) == n_keys and res.handle, res
-    FIGURES.append({"move": "promote disk->cpu", "applied": res.count(Outcome.APPLIED),
-                    "elapsed_ms": round(res.elapsed_s * 1000, 1)})
+    FIGURES.append(
+        {
+            "move": "promote disk->cpu",
+            "applied": res.count(Outcome.APPLIED),
+            "elapsed_ms": round(res.elapsed_s * 1000, 1),
+        }
+    )
     d = rig.ask("P after kvtier promote", p)
     assert d["l1"] == n_chunk_tokens and d["l2"] == 0 and d["ext"] == n_chunk_tokens
 
@@ -190,13 +205,20 @@ def test_sidecar_status_per_tier_hits_match_lmcache_and_vllm(rig: Rig) -> None:
     from kvtier.controller.settings import Settings
     from tests.peers.sidecar import running, wait_for
 
-    own = {"cpu": scrape_sum(rig.server.url, "lmcache_mp_lookup_hit_l1_tokens_total"),
-           "disk": scrape_sum(rig.server.url, "lmcache_mp_lookup_hit_l2_tokens_total")}
+    own = {
+        "cpu": scrape_sum(rig.server.url, "lmcache_mp_lookup_hit_l1_tokens_total"),
+        "disk": scrape_sum(rig.server.url, "lmcache_mp_lookup_hit_l2_tokens_total"),
+    }
     ext = scrape_sum(rig.vllm.url, "vllm:external_prefix_cache_hits_total")
     assert own["cpu"] > 0 and own["disk"] > 0 and own["cpu"] + own["disk"] == ext
-    settings = Settings(engine_urls=[rig.vllm.url], lmcache_urls=[rig.server.url], scrape_interval_s=0.5,
-                        storage_enabled=False)
+    settings = Settings(
+        engine_urls=[rig.vllm.url],
+        lmcache_urls=[rig.server.url],
+        scrape_interval_s=0.5,
+        storage_enabled=False,
+    )
     with running(settings) as sc:
+
         def layer() -> dict[str, Any] | None:
             for c in sc.status().get("cache_layers") or []:
                 latest = c.get("latest")
@@ -206,8 +228,9 @@ def test_sidecar_status_per_tier_hits_match_lmcache_and_vllm(rig: Rig) -> None:
 
         latest = wait_for(layer, 30, "lmcache_mp in /v1/status")
     assert latest["hit_tokens_by_tier"] == own
-    FIGURES.append({"sidecar_v1_status_hit_tokens_by_tier": latest["hit_tokens_by_tier"],
-                    "vllm_external_hits": ext})
+    FIGURES.append(
+        {"sidecar_v1_status_hit_tokens_by_tier": latest["hit_tokens_by_tier"], "vllm_external_hits": ext}
+    )
 
 
 def test_zz_print_figures() -> None:

@@ -52,8 +52,9 @@ def test_outage_opens_the_breaker_and_recovery_closes_it(server: tuple[LMCacheMP
     resilient = Resilient(RetryPolicy(max_attempts=2, base_delay_s=0.05), breaker, sleep=lambda _s: None)
     act = LMCacheMPActuator(HttpCaller(s.url, timeout_s=2.0, resilient=resilient), clock=clock)
     loop = asyncio.new_event_loop()
-    coll = LMCacheMPCollector("lmcache_mp:outage", s.url, client=httpx.AsyncClient(),
-                              registry=CollectorRegistry())
+    coll = LMCacheMPCollector(
+        "lmcache_mp:outage", s.url, client=httpx.AsyncClient(), registry=CollectorRegistry()
+    )
     ref = BlockRef(model="tiny", token_ids=tuple(engine.token_ids))
 
     assert act.demote([ref], Tier.DISK).count(Outcome.APPLIED) == 4  # healthy: L1 -> L2 only

@@ -47,8 +47,9 @@ def test_pinned_prefix_stays_in_l1_under_pressure(small_l1: tuple[LMCacheMPServe
     assert [b.token_ids for b in act.pinned()] == [pinned.token_ids]
 
     loop = asyncio.new_event_loop()
-    coll = LMCacheMPCollector("lmcache_mp:pin", s.url, client=httpx.AsyncClient(),
-                              registry=CollectorRegistry())
+    coll = LMCacheMPCollector(
+        "lmcache_mp:pin", s.url, client=httpx.AsyncClient(), registry=CollectorRegistry()
+    )
     before = loop.run_until_complete(coll.poll())
     assert before is not None
     flood = FakeEngine(s, seed=200, sequences=30, pace_s=0.25)
@@ -65,9 +66,11 @@ def test_pinned_prefix_stays_in_l1_under_pressure(small_l1: tuple[LMCacheMPServe
     assert refresh.count(Outcome.APPLIED) == 4, refresh
     reloaded = loop.run_until_complete(coll.poll())
     assert reloaded is not None
-    loads = {"at_pin": before.counters["prefetch_load_completed_chunks"],
-             "at_refresh": reloaded.counters["prefetch_load_completed_chunks"]
-             - after.counters["prefetch_load_completed_chunks"]}
+    loads = {
+        "at_pin": before.counters["prefetch_load_completed_chunks"],
+        "at_refresh": reloaded.counters["prefetch_load_completed_chunks"]
+        - after.counters["prefetch_load_completed_chunks"],
+    }
     print(f"\nPIN_LOADS {loads}")
     # pinning a resident prefix loaded nothing; the refresh had to reload all 4 chunks from L2, i.e. the
     # pressure had evicted the pinned prefix and the pin brought it back
@@ -75,8 +78,10 @@ def test_pinned_prefix_stays_in_l1_under_pressure(small_l1: tuple[LMCacheMPServe
 
     p_l1 = act.evict([pinned], Tier.CPU)  # L2 copy verified first; outcome says whether L1 held it
     q_l1 = act.evict([other], Tier.CPU)
-    print(f"\nPIN_FIGURES l1_evicted_chunks={evicted} pinned_in_l1={p_l1.count(Outcome.APPLIED)}/4 "
-          f"unpinned_in_l1={q_l1.count(Outcome.APPLIED)}/4")
+    print(
+        f"\nPIN_FIGURES l1_evicted_chunks={evicted} pinned_in_l1={p_l1.count(Outcome.APPLIED)}/4 "
+        f"unpinned_in_l1={q_l1.count(Outcome.APPLIED)}/4"
+    )
     assert p_l1.count(Outcome.APPLIED) == 4
     assert q_l1.count(Outcome.APPLIED) == 0 and q_l1.count(Outcome.SKIPPED) == 4
     assert act.unpin([pinned]).count(Outcome.APPLIED) == 1 and act.pinned() == []

@@ -130,19 +130,29 @@ def _master_view(url: str) -> dict[str, Any]:
             sums[name] = sums.get(name, 0.0) + float(value)
     summary = httpx.get(url + "/metrics/summary", timeout=5).text
     grab = lambda pat: (m := re.search(pat, summary)) and m.group(1)  # noqa: E731
-    return {"key_count": sums["master_key_count"], "active_clients": sums["master_active_clients"],
-            "capacity_cpu": sums["master_total_capacity_bytes"],
-            "allocated_cpu": sums["master_allocated_bytes"],
-            "summary": {"role": grab(r"role=(\w+)"), "keys": int(grab(r"Keys: (\d+)") or -1),
-                        "clients": int(grab(r"Clients: (\d+)") or -1)}}
+    return {
+        "key_count": sums["master_key_count"],
+        "active_clients": sums["master_active_clients"],
+        "capacity_cpu": sums["master_total_capacity_bytes"],
+        "allocated_cpu": sums["master_allocated_bytes"],
+        "summary": {
+            "role": grab(r"role=(\w+)"),
+            "keys": int(grab(r"Keys: (\d+)") or -1),
+            "clients": int(grab(r"Clients: (\d+)") or -1),
+        },
+    }
 
 
 def _sidecar_view(sidecar: str, name: str) -> dict[str, Any]:
     lt = cache_layer(sidecar, name)["latest"]
     sm = lt["summary"] or {}
-    return {"key_count": lt["key_count"], "active_clients": lt["active_clients"],
-            "capacity_cpu": lt["capacity_bytes"]["cpu"], "allocated_cpu": lt["allocated_bytes"]["cpu"],
-            "summary": {k: sm.get(k) for k in ("role", "keys", "clients")}}
+    return {
+        "key_count": lt["key_count"],
+        "active_clients": lt["active_clients"],
+        "capacity_cpu": lt["capacity_bytes"]["cpu"],
+        "allocated_cpu": lt["allocated_bytes"]["cpu"],
+        "summary": {k: sm.get(k) for k in ("role", "keys", "clients")},
+    }
 
 
 def _both_when_equal(sidecar: str, name: str, url: str, keys: int) -> dict[str, Any] | None:

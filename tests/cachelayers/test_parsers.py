@@ -27,17 +27,21 @@ def test_lmcache_mp_sample_maps_l1_l2_to_kvtier_tiers() -> None:
 
 
 def test_lmcache_mp_lookup_hits_summed_over_label_sets() -> None:
-    text = "\n".join([
-        "# TYPE lmcache_mp_lookup_hit_l1_tokens_total counter",
-        'lmcache_mp_lookup_hit_l1_tokens_total{cache_salt="",model_name="/m"} 512.0',
-        'lmcache_mp_lookup_hit_l1_tokens_total{cache_salt="t",model_name="/m"} 64.0',
-        "# TYPE lmcache_mp_lookup_hit_l2_tokens_total counter",
-        'lmcache_mp_lookup_hit_l2_tokens_total{cache_salt="",model_name="/m"} 128.0',
-        "# TYPE lmcache_mp_l1_chunk_reuse_gap_seconds histogram",
-        'lmcache_mp_l1_chunk_reuse_gap_seconds_bucket{le="1.0"} 2.0',
-        'lmcache_mp_l1_chunk_reuse_gap_seconds_bucket{le="+Inf"} 3.0',
-        "lmcache_mp_l1_chunk_reuse_gap_seconds_count 3.0",
-        "lmcache_mp_l1_chunk_reuse_gap_seconds_sum 4.5", ""])
+    text = "\n".join(
+        [
+            "# TYPE lmcache_mp_lookup_hit_l1_tokens_total counter",
+            'lmcache_mp_lookup_hit_l1_tokens_total{cache_salt="",model_name="/m"} 512.0',
+            'lmcache_mp_lookup_hit_l1_tokens_total{cache_salt="t",model_name="/m"} 64.0',
+            "# TYPE lmcache_mp_lookup_hit_l2_tokens_total counter",
+            'lmcache_mp_lookup_hit_l2_tokens_total{cache_salt="",model_name="/m"} 128.0',
+            "# TYPE lmcache_mp_l1_chunk_reuse_gap_seconds histogram",
+            'lmcache_mp_l1_chunk_reuse_gap_seconds_bucket{le="1.0"} 2.0',
+            'lmcache_mp_l1_chunk_reuse_gap_seconds_bucket{le="+Inf"} 3.0',
+            "lmcache_mp_l1_chunk_reuse_gap_seconds_count 3.0",
+            "lmcache_mp_l1_chunk_reuse_gap_seconds_sum 4.5",
+            "",
+        ]
+    )
     s = parse_lmcache_mp(text, None)
     assert s.hit_tokens_by_tier == {"cpu": 576.0, "disk": 128.0}
     assert s.reuse_gap_seconds.count == 3 and s.reuse_gap_seconds.sum == 4.5
@@ -55,22 +59,41 @@ def test_broken_text_keeps_good_families_and_counts_the_rest() -> None:
 
 
 def test_mooncake_summary_and_counter_renaming() -> None:
-    summary = ("role=leader, state=serving, service_ready=true, master={Mem Storage: 2.02 MB / 128.00 MB "
-               "(1.6%) | NVMe-oF SSD: 0 B / 0 B | SSD Storage: 0 B / 0 B | Keys: 4 (soft-pinned: 1) "
-               "| Clients: 2 | ...}")
+    summary = (
+        "role=leader, state=serving, service_ready=true, master={Mem Storage: 2.02 MB / 128.00 MB "
+        "(1.6%) | NVMe-oF SSD: 0 B / 0 B | SSD Storage: 0 B / 0 B | Keys: 4 (soft-pinned: 1) "
+        "| Clients: 2 | ...}"
+    )
     sm = parse_summary(summary)
-    assert (sm.role, sm.state, sm.service_ready, sm.keys, sm.soft_pinned, sm.clients) == \
-        ("leader", "serving", True, 4, 1, 2)
-    text = "\n".join([
-        "# TYPE master_key_count gauge", "master_key_count 3",
-        "# TYPE master_evicted_key_count counter", "master_evicted_key_count 7",
-        "# TYPE master_create_move_task_requests_total counter", "master_create_move_task_requests_total 2",
-        "# TYPE master_create_move_task_failures_total counter", "master_create_move_task_failures_total 1",
-        "# TYPE master_total_capacity_bytes gauge", "master_total_capacity_bytes 1024",
-        "# TYPE master_total_nof_capacity_bytes gauge", "master_total_nof_capacity_bytes 4096",
-        "# TYPE master_promotion_in_flight gauge", "master_promotion_in_flight 1",
-        "# TYPE segment_allocated_bytes gauge",
-        'segment_allocated_bytes{segment="127.0.0.1:17001"} 4096', ""])
+    assert (sm.role, sm.state, sm.service_ready, sm.keys, sm.soft_pinned, sm.clients) == (
+        "leader",
+        "serving",
+        True,
+        4,
+        1,
+        2,
+    )
+    text = "\n".join(
+        [
+            "# TYPE master_key_count gauge",
+            "master_key_count 3",
+            "# TYPE master_evicted_key_count counter",
+            "master_evicted_key_count 7",
+            "# TYPE master_create_move_task_requests_total counter",
+            "master_create_move_task_requests_total 2",
+            "# TYPE master_create_move_task_failures_total counter",
+            "master_create_move_task_failures_total 1",
+            "# TYPE master_total_capacity_bytes gauge",
+            "master_total_capacity_bytes 1024",
+            "# TYPE master_total_nof_capacity_bytes gauge",
+            "master_total_nof_capacity_bytes 4096",
+            "# TYPE master_promotion_in_flight gauge",
+            "master_promotion_in_flight 1",
+            "# TYPE segment_allocated_bytes gauge",
+            'segment_allocated_bytes{segment="127.0.0.1:17001"} 4096',
+            "",
+        ]
+    )
     s = parse_mooncake(text, summary)
     assert s.key_count == 3 and s.eviction == {"master_evicted_key_count": 7.0}
     assert s.rpc_requests["create_move_task"] == 2 and s.rpc_failures["create_move_task"] == 1
@@ -83,10 +106,25 @@ def test_mooncake_summary_and_counter_renaming() -> None:
 
 
 def test_controller_bodies() -> None:
-    ks = {"total_key_count": 2, "total_instance_count": 1, "total_worker_count": 1,
-          "instances": [{"instance_id": "standalone0", "key_count": 2, "worker_count": 1}]}
-    ws = {"workers": [{"instance_id": "standalone0", "worker_id": 0, "ip": "127.0.0.1", "port": 9601,
-                       "last_heartbeat_time": 100.0, "key_count": 2}], "total_count": 1}
+    ks = {
+        "total_key_count": 2,
+        "total_instance_count": 1,
+        "total_worker_count": 1,
+        "instances": [{"instance_id": "standalone0", "key_count": 2, "worker_count": 1}],
+    }
+    ws = {
+        "workers": [
+            {
+                "instance_id": "standalone0",
+                "worker_id": 0,
+                "ip": "127.0.0.1",
+                "port": 9601,
+                "last_heartbeat_time": 100.0,
+                "key_count": 2,
+            }
+        ],
+        "total_count": 1,
+    }
     s = parse_controller(ks, ws, now=110.0)
     assert s.total_key_count == 2 and s.keys_by_instance == {"standalone0": 2}
     assert s.workers[0].port == 9601 and s.workers[0].heartbeat_age_s == 10.0

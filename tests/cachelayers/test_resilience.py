@@ -56,8 +56,12 @@ def test_retries_transient_then_succeeds_and_sleeps_backoff() -> None:
             raise TransientError("boom")
         return "ok"
 
-    r = Resilient(RetryPolicy(max_attempts=3, base_delay_s=0.1, jitter=0.0),
-                  CircuitBreaker(failure_threshold=5, clock=clk), sleep=clk.sleep, rng=random.Random(0))
+    r = Resilient(
+        RetryPolicy(max_attempts=3, base_delay_s=0.1, jitter=0.0),
+        CircuitBreaker(failure_threshold=5, clock=clk),
+        sleep=clk.sleep,
+        rng=random.Random(0),
+    )
     assert r.call(flaky) == ("ok", 3)
     assert clk.sleeps == [pytest.approx(0.1), pytest.approx(0.2)]
     assert r.breaker.state == "closed" and r.breaker.consecutive_failures == 0
@@ -128,16 +132,24 @@ def test_http_caller_retries_5xx_and_transport_errors_not_4xx_or_503() -> None:
             raise nxt
         return httpx.Response(nxt, json={"ok": nxt == 200})
 
-    res = Resilient(RetryPolicy(max_attempts=3, base_delay_s=0.01), CircuitBreaker(clock=clk),
-                    sleep=clk.sleep)
+    res = Resilient(
+        RetryPolicy(max_attempts=3, base_delay_s=0.01), CircuitBreaker(clock=clk), sleep=clk.sleep
+    )
     c = HttpCaller("http://peer", client=httpx.Client(transport=httpx.MockTransport(handler)), resilient=res)
     reply, attempts = c.request("GET", "/x")
     assert (reply.status, reply.body, attempts) == (200, {"ok": True}, 3)
 
     for code in (404, 503):
         n0 = len(seen)
-        c2 = HttpCaller("http://peer", resilient=res, client=httpx.Client(
-            transport=httpx.MockTransport(lambda r, code=code: httpx.Response(code, json={"detail": "no"}))))
+        c2 = HttpCaller(
+            "http://peer",
+            resilient=res,
+            client=httpx.Client(
+                transport=httpx.MockTransport(
+                    lambda r, code=code: httpx.Response(code, json={"detail": "no"})
+                )
+            ),
+        )
         reply, attempts = c2.request("DELETE", "/y")
         assert (reply.status, attempts) == (code, 1)
         assert len(seen) == n0

@@ -14,8 +14,19 @@ ACTIONS = ("promote", "demote", "evict", "admit", "prefetch", "pin")
 
 def mk(i: int, at: float, rng: random.Random) -> Decision:
     return Decision(
-        i, i // 7, at, rng.choice(ACTIONS), rng.randrange(-(2**63), 2**63), "gpu", "cpu", 0.1, 0.5, False,
-        "shadow", tokens=rng.randrange(0, 10_000), freq0=rng.randrange(-1, 50),
+        i,
+        i // 7,
+        at,
+        rng.choice(ACTIONS),
+        rng.randrange(-(2**63), 2**63),
+        "gpu",
+        "cpu",
+        0.1,
+        0.5,
+        False,
+        "shadow",
+        tokens=rng.randrange(0, 10_000),
+        freq0=rng.randrange(-1, 50),
     )
 
 

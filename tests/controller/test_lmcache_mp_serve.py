@@ -52,8 +52,10 @@ def text(seed: int, n: int) -> str:
 
 def tiers(cpu_capacity: int) -> list[dict[str, Any]]:
     """Policy tiers: LMCache L1 (cpu) and L2 (disk); disk loads are slower, so disk -> cpu gains."""
-    return [{"tier": "cpu", "capacity_blocks": cpu_capacity, "load_bandwidth_bytes_s": 2e10},
-            {"tier": "disk", "capacity_blocks": 100_000, "load_bandwidth_bytes_s": 1e9}]
+    return [
+        {"tier": "cpu", "capacity_blocks": cpu_capacity, "load_bandwidth_bytes_s": 2e10},
+        {"tier": "disk", "capacity_blocks": 100_000, "load_bandwidth_bytes_s": 1e9},
+    ]
 
 
 def until(cond: Callable[[], Any], what: str, timeout_s: float = 60.0, interval_s: float = 0.2) -> Any:
@@ -87,10 +89,15 @@ class Stack:
 
     def start(self) -> Stack:
         self.mp.start()
-        kvt = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-               "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
-                                             "lmcache.mp.port": self.mp.zmq_port,
-                                             "lmcache.mp.mq_timeout": 30}}
+        kvt = {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "lmcache.mp.host": "tcp://127.0.0.1",
+                "lmcache.mp.port": self.mp.zmq_port,
+                "lmcache.mp.mq_timeout": 30,
+            },
+        }
         self.vllm = vllm_peer.start(
             extra_args=["--prefix-caching-hash-algo", "sha256_cbor", "--kv-transfer-config", json.dumps(kvt)],
             num_gpu_blocks=48, workdir=self.work / "vllm",
@@ -104,11 +111,27 @@ class Stack:
                 {"lmcache-mp": {"breaker_reset_s": 1.0, "retries": 2, "timeout_s": 2.0}}),
             "DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false", "VLLM_NO_USAGE_STATS": "1",
         })  # fmt: skip
-        cmd = [sys.executable, "-m", "kvtier", "serve", "--engine-url", self.vllm.url,
-               "--lmcache-url", self.mp.url, "--mode", "active", "--actuator", "lmcache-mp",
-               # the moves under test are driven by pins and tier capacities, not a placement policy
-               "--policy", "none",
-               "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.work / "state")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvtier",
+            "serve",
+            "--engine-url",
+            self.vllm.url,
+            "--lmcache-url",
+            self.mp.url,
+            "--mode",
+            "active",
+            "--actuator",
+            "lmcache-mp",
+            # the moves under test are driven by pins and tier capacities, not a placement policy
+            "--policy",
+            "none",
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--state-dir",
+            str(self.work / "state"),
+        ]
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)  # fmt: skip
@@ -355,8 +378,11 @@ def test_status_per_tier_view_matches_lmcache_and_vllm(stack: Stack) -> None:
             return None
         if eng.get("prefix_cache_hits") != own["gpu"] or eng.get("external_prefix_cache_hits") != own["ext"]:
             return None
-        return {"gpu": eng["prefix_cache_hits"], **latest["hit_tokens_by_tier"],
-                "external": eng["external_prefix_cache_hits"]}
+        return {
+            "gpu": eng["prefix_cache_hits"],
+            **latest["hit_tokens_by_tier"],
+            "external": eng["external_prefix_cache_hits"],
+        }
 
     got = until(view, "/v1/status per-tier hits equal to LMCache's and vLLM's counters", 30)
     FIGURES.append({"v1_status_hit_tokens": got, "lmcache_and_vllm_own": own})
@@ -381,8 +407,12 @@ def test_status_per_tier_view_matches_lmcache_and_vllm(stack: Stack) -> None:
             return None
         if tiers_st["hit_tokens"] != {k: v for k, v in want_hits.items() if k != "remote"}:
             return None
-        return {"hit_tokens": hits, "lookup_tokens": lookups, "cpu_objects": objects,
-                "cpu_used_bytes": stack.metric("kvtier_tier_used_bytes", tier="cpu")}
+        return {
+            "hit_tokens": hits,
+            "lookup_tokens": lookups,
+            "cpu_objects": objects,
+            "cpu_used_bytes": stack.metric("kvtier_tier_used_bytes", tier="cpu"),
+        }
 
     got_m = until(exported, "kvtier_tier_* in /metrics equal to LMCache's and vLLM's counters", 30)
     assert got_m["cpu_used_bytes"] > 0

@@ -168,9 +168,10 @@ def test_predictor_run_ahead_on_a_worker_gives_the_same_ticks_and_its_failure_fa
             reps.append(loop.tick())
             clock.t += 1
         assert (loop._ahead_pool is not None) == ahead
-        runs[ahead] = [(r.decisions, r.predictor) for r in reps], [
-            (d.action, d.block, d.tier, d.p_reuse) for d in loop.decisions.query()
-        ]
+        runs[ahead] = (
+            [(r.decisions, r.predictor) for r in reps],
+            [(d.action, d.block, d.tier, d.p_reuse) for d in loop.decisions.query()],
+        )
     assert runs[True] == runs[False] and runs[True][0][0][0] == 2
 
     threads: list[str] = []
@@ -304,8 +305,14 @@ def test_a_pin_of_blocks_the_index_has_not_seen_is_decided_on_an_empty_index() -
     the empty view and failed the tick)."""
     loop, idx, act, reg, _, clock = make(mode="shadow")
     loop.pins.add(
-        Pin(id="p1", tier=Tier.GPU, blocks=[101, 102], created_at_s=clock.t, token_ids=list(range(32)),
-            block_size=16)
+        Pin(
+            id="p1",
+            tier=Tier.GPU,
+            blocks=[101, 102],
+            created_at_s=clock.t,
+            token_ids=list(range(32)),
+            block_size=16,
+        )
     )
     rep = loop.tick()
     assert rep.outcome == "ok" and rep.decisions == 2, rep.fallbacks
@@ -399,9 +406,16 @@ def test_outcomes_keyed_by_layer_keys_are_attributed_per_ref_and_routing_respect
     rep = loop.tick()
     assert rep.outcomes["shadow"] == 2 and layer.calls == []
     loop, idx, _, reg, _, clock = make()
-    loop.set_policy(loop.policy.model_copy(update={"tiers": [
-        TierConfig(tier=Tier.CPU, capacity_blocks=4, high_watermark=0.75, low_watermark=0.5),
-        TierConfig(tier=Tier.DISK, capacity_blocks=100)]}))
+    loop.set_policy(
+        loop.policy.model_copy(
+            update={
+                "tiers": [
+                    TierConfig(tier=Tier.CPU, capacity_blocks=4, high_watermark=0.75, low_watermark=0.5),
+                    TierConfig(tier=Tier.DISK, capacity_blocks=100),
+                ]
+            }
+        )
+    )
     loop.actuators = [layer]
     for i, h in enumerate([11, 12, 13, 14]):  # cpu over its watermark -> demote cpu->disk: both the layer's
         idx.store(h, None, Tier.CPU, t=(clock.t - 100 + i) * 1000)
@@ -587,8 +601,14 @@ def test_the_pin_retry_window_starts_when_the_actuation_returned() -> None:
     loop.actuators = [act]
     assert loop.policy.pin_retry_s == 5.0
     loop.pins.add(
-        Pin(id="p1", tier=Tier.GPU, blocks=[101, 102], created_at_s=clock.t, token_ids=list(range(32)),
-            block_size=16)
+        Pin(
+            id="p1",
+            tier=Tier.GPU,
+            blocks=[101, 102],
+            created_at_s=clock.t,
+            token_ids=list(range(32)),
+            block_size=16,
+        )
     )
     t0 = clock.t
     assert loop.tick().decisions == 2 and len(act.calls) == 1 and clock.t == t0 + 4

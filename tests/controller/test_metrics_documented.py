@@ -19,8 +19,12 @@ def test_every_registered_family_is_documented(tmp_path: Path) -> None:
     down = "http://127.0.0.1:9"
     sc = ControlledSidecar(
         Settings(
-            engine_urls=[down], engine_model="tiny", lmcache_urls=[down], mooncake_urls=[down],
-            state_dir=str(tmp_path), policy="learned",
+            engine_urls=[down],
+            engine_model="tiny",
+            lmcache_urls=[down],
+            mooncake_urls=[down],
+            state_dir=str(tmp_path),
+            policy="learned",
         )  # fmt: skip
     )
     doc = METRICS_MD.read_text()

@@ -145,8 +145,13 @@ def _loop_with_policy(predictor: _Kept):  # type: ignore[no-untyped-def]
     idx = BlockIndex(initial_capacity=256)
     for b in range(1, 201):
         idx.store(b, b - 1 if b % 10 != 1 else None, 1 if b % 3 else 2, 65536, 1000.0 * b)
-    doc = PolicyDoc(mode="shadow", tiers=[TierConfig(tier=Tier.CPU, capacity_blocks=50),
-                                          TierConfig(tier=Tier.DISK, capacity_blocks=1000)])
+    doc = PolicyDoc(
+        mode="shadow",
+        tiers=[
+            TierConfig(tier=Tier.CPU, capacity_blocks=50),
+            TierConfig(tier=Tier.DISK, capacity_blocks=1000),
+        ],
+    )
     now = [500.0]
     metrics = ControllerMetrics(CollectorRegistry())
     loop = ReconcileLoop(idx, policy=doc, metrics=metrics, clock=lambda: now[0], predictor=predictor)

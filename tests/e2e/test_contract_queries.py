@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from dashboards import lint
+from kvtier.dashboards import lint
 from tests.e2e import prom as promlib
 from tests.e2e.contract_exporter import contract, serving
 

@@ -30,8 +30,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dashboards import lint
 from kvtier.controller.actuators.lmcache_keys import object_keys
+from kvtier.dashboards import lint
 from tests.e2e import prom as promlib
 from tests.e2e.demo_proc import running_demo
 from tests.peers import vllm as vllm_peer

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dashboards import generate, lint
+from kvtier.dashboards import generate, lint
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_SAMPLE = Path(__file__).parent / "data" / "vllm_cpu_0.32_metrics.txt"  # GET /metrics of a real server
@@ -23,7 +23,7 @@ def test_checked_in_json_equals_generator_output() -> None:
     on_disk = {p.name: p.read_text() for p in sorted((REPO / "dashboards").glob("*.json"))}
     assert sorted(on_disk) == sorted(rendered), "dashboards/*.json and the generator disagree on the file set"
     stale = [name for name, text in rendered.items() if on_disk[name] != text]
-    assert not stale, f"stale {stale}: run `python -m dashboards.generate`"
+    assert not stale, f"stale {stale}: run `python -m kvtier.dashboards.generate`"
     assert generate.main(["--check"]) == 0
 
 

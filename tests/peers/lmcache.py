@@ -50,14 +50,42 @@ class LMCacheMPServer:
         py = require_env("KVTIER_LMCACHE_PYTHON")
         self.workdir.mkdir(parents=True, exist_ok=True)
         l1 = str(int(self.l1_gb)) if float(self.l1_gb).is_integer() else str(self.l1_gb)
-        cmd = [py, "-m", "lmcache.cli.main", "server", "--host", "127.0.0.1", "--port", str(self.zmq_port),
-               "--chunk-size", str(self.chunk_size), "--l1-size-gb", l1, "--l1-init-size-gb", "0",
-               "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
-               "--l2-adapter", json.dumps({"type": "fs", "base_path": str(self.l2_dir)}),
-               "--http-host", "127.0.0.1", "--http-port", str(self.http_port), "--max-workers", "2"]
+        cmd = [
+            py,
+            "-m",
+            "lmcache.cli.main",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.zmq_port),
+            "--chunk-size",
+            str(self.chunk_size),
+            "--l1-size-gb",
+            l1,
+            "--l1-init-size-gb",
+            "0",
+            "--eviction-policy",
+            "LRU",
+            "--supported-transfer-mode",
+            "auto",
+            "--l2-adapter",
+            json.dumps({"type": "fs", "base_path": str(self.l2_dir)}),
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(self.http_port),
+            "--max-workers",
+            "2",
+        ]
         self.proc = start(cmd, self.log)
-        wait_for(lambda: httpx.get(self.url + "/healthcheck", timeout=2).status_code == 200,
-                 timeout_s, "LMCache MP server", proc=self.proc, log=self.log)
+        wait_for(
+            lambda: httpx.get(self.url + "/healthcheck", timeout=2).status_code == 200,
+            timeout_s,
+            "LMCache MP server",
+            proc=self.proc,
+            log=self.log,
+        )
         return self
 
     def stop(self) -> None:
@@ -93,13 +121,34 @@ class FakeEngine:
         py = require_env("KVTIER_LMCACHE_PYTHON")
         out = self.server.workdir / f"fake_engine_{self.seed}.out"
         out.unlink(missing_ok=True)
-        self.proc = start([py, str(HERE / "scripts" / "lmcache_fake_engine.py"), "--url", self.server.zmq_url,
-                           "--model", self.model, "--seed", str(self.seed), "--tokens", str(self.tokens),
-                           "--sequences", str(self.sequences), "--pace-s", str(self.pace_s),
-                           "--out", str(out)], self.server.workdir / f"fake_engine_{self.seed}.log")
-        self.result = wait_for(lambda: json.loads(out.read_text()) if out.exists() else None, timeout_s,
-                               "fake LMCache engine", proc=self.proc,
-                               log=self.server.workdir / f"fake_engine_{self.seed}.log")
+        self.proc = start(
+            [
+                py,
+                str(HERE / "scripts" / "lmcache_fake_engine.py"),
+                "--url",
+                self.server.zmq_url,
+                "--model",
+                self.model,
+                "--seed",
+                str(self.seed),
+                "--tokens",
+                str(self.tokens),
+                "--sequences",
+                str(self.sequences),
+                "--pace-s",
+                str(self.pace_s),
+                "--out",
+                str(out),
+            ],
+            self.server.workdir / f"fake_engine_{self.seed}.log",
+        )
+        self.result = wait_for(
+            lambda: json.loads(out.read_text()) if out.exists() else None,
+            timeout_s,
+            "fake LMCache engine",
+            proc=self.proc,
+            log=self.server.workdir / f"fake_engine_{self.seed}.log",
+        )
         return self
 
     @property
@@ -139,20 +188,58 @@ class VllmWithLMCache:
 
     def start(self, timeout_s: float = 300.0) -> VllmWithLMCache:
         py = require_env("KVTIER_VLLM_PYTHON")
-        kvt = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-               "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
-                                             "lmcache.mp.port": self.server.zmq_port,
-                                             "lmcache.mp.mq_timeout": 30}}
-        cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
-               "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", self.served_name,
-               "--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "8",
-               "--max-num-batched-tokens", "1024", "--block-size", "32", "--enable-prefix-caching",
-               "--enforce-eager", "--num-gpu-blocks-override", "48", "--kv-transfer-config", json.dumps(kvt)]
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto",
-               "VLLM_CACHE_ROOT": str(self.server.workdir / "vllm-cache")}
+        kvt = {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "lmcache.mp.host": "tcp://127.0.0.1",
+                "lmcache.mp.port": self.server.zmq_port,
+                "lmcache.mp.mq_timeout": 30,
+            },
+        }
+        cmd = [
+            py,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            self.served_name,
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "1024",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "1024",
+            "--block-size",
+            "32",
+            "--enable-prefix-caching",
+            "--enforce-eager",
+            "--num-gpu-blocks-override",
+            "48",
+            "--kv-transfer-config",
+            json.dumps(kvt),
+        ]
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "auto",
+            "VLLM_CACHE_ROOT": str(self.server.workdir / "vllm-cache"),
+        }
         self.proc = start(cmd, self.log, env=env)
-        wait_for(lambda: httpx.get(self.url + "/health", timeout=2).status_code == 200, timeout_s,
-                 "vLLM + LMCacheMPConnector", interval_s=0.5, proc=self.proc, log=self.log)
+        wait_for(
+            lambda: httpx.get(self.url + "/health", timeout=2).status_code == 200,
+            timeout_s,
+            "vLLM + LMCacheMPConnector",
+            interval_s=0.5,
+            proc=self.proc,
+            log=self.log,
+        )
         return self
 
     def stop(self) -> None:

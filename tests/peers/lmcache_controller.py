@@ -54,32 +54,70 @@ class ControllerCluster:
         py = require_env("KVTIER_LMCACHE_PYTHON")
         bindir = str(Path(py).parent)
         clog = self.workdir / "controller.log"
-        self.controller = start([py, str(Path(bindir) / "lmcache_controller"), "--host", "127.0.0.1",
-                                 "--port", str(self.http_port), "--monitor-ports",
-                                 json.dumps({"pull": self.pull_port, "reply": self.reply_port})],
-                                clog, env={"PYTHONHASHSEED": "0"}, new_session=False)
-        wait_for(lambda: httpx.get(self.url + "/openapi.json", timeout=2).status_code == 200, 120,
-                 "lmcache_controller", interval_s=0.5, proc=self.controller, log=clog)
-        env = {"LMCACHE_ENABLE_CONTROLLER": "True", "LMCACHE_LMCACHE_INSTANCE_ID": self.instance_id,
-               "LMCACHE_CONTROLLER_PULL_URL": f"127.0.0.1:{self.pull_port}",
-               "LMCACHE_CONTROLLER_REPLY_URL": f"127.0.0.1:{self.reply_port}",
-               "LMCACHE_LMCACHE_WORKER_PORTS": str(self.worker_port),
-               "LMCACHE_CHUNK_SIZE": str(self.chunk_size),
-               "LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5", "PYTHONHASHSEED": "0",
-               "LMCACHE_INTERNAL_API_SERVER_ENABLED": "True",
-               "LMCACHE_INTERNAL_API_SERVER_HOST": "127.0.0.1",
-               "LMCACHE_INTERNAL_API_SERVER_PORT_START": str(self.api_port_start)}
+        self.controller = start(
+            [
+                py,
+                str(Path(bindir) / "lmcache_controller"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.http_port),
+                "--monitor-ports",
+                json.dumps({"pull": self.pull_port, "reply": self.reply_port}),
+            ],
+            clog,
+            env={"PYTHONHASHSEED": "0"},
+            new_session=False,
+        )
+        wait_for(
+            lambda: httpx.get(self.url + "/openapi.json", timeout=2).status_code == 200,
+            120,
+            "lmcache_controller",
+            interval_s=0.5,
+            proc=self.controller,
+            log=clog,
+        )
+        env = {
+            "LMCACHE_ENABLE_CONTROLLER": "True",
+            "LMCACHE_LMCACHE_INSTANCE_ID": self.instance_id,
+            "LMCACHE_CONTROLLER_PULL_URL": f"127.0.0.1:{self.pull_port}",
+            "LMCACHE_CONTROLLER_REPLY_URL": f"127.0.0.1:{self.reply_port}",
+            "LMCACHE_LMCACHE_WORKER_PORTS": str(self.worker_port),
+            "LMCACHE_CHUNK_SIZE": str(self.chunk_size),
+            "LMCACHE_LOCAL_CPU": "True",
+            "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.5",
+            "PYTHONHASHSEED": "0",
+            "LMCACHE_INTERNAL_API_SERVER_ENABLED": "True",
+            "LMCACHE_INTERNAL_API_SERVER_HOST": "127.0.0.1",
+            "LMCACHE_INTERNAL_API_SERVER_PORT_START": str(self.api_port_start),
+        }
         wlog = self.workdir / "worker.log"
-        self.worker = start([py, "-m", "lmcache.v1.standalone", "--model-name", "tiny",
-                             "--kv-shape", f"2,2,{self.chunk_size * 4},2,64", "--kv-dtype", "bfloat16",
-                             "--device", "cpu"], wlog, env=env, new_session=False)
+        self.worker = start(
+            [
+                py,
+                "-m",
+                "lmcache.v1.standalone",
+                "--model-name",
+                "tiny",
+                "--kv-shape",
+                f"2,2,{self.chunk_size * 4},2,64",
+                "--kv-dtype",
+                "bfloat16",
+                "--device",
+                "cpu",
+            ],
+            wlog,
+            env=env,
+            new_session=False,
+        )
 
         def registered() -> bool:
             ws = httpx.get(self.url + "/controller/workers", timeout=2).json().get("workers") or []
             return any(w.get("instance_id") == self.instance_id for w in ws)
 
-        wait_for(registered, 180, "standalone worker registration", interval_s=0.5, proc=self.worker,
-                 log=wlog)
+        wait_for(
+            registered, 180, "standalone worker registration", interval_s=0.5, proc=self.worker, log=wlog
+        )
 
         def api_listening() -> bool:
             """The worker registers over ZMQ before its internal API server listens: wait for both."""
@@ -91,8 +129,9 @@ class ControllerCluster:
                 return False
             return True
 
-        wait_for(api_listening, 120, "standalone worker internal API", interval_s=0.5, proc=self.worker,
-                 log=wlog)
+        wait_for(
+            api_listening, 120, "standalone worker internal API", interval_s=0.5, proc=self.worker, log=wlog
+        )
         return self
 
     def store(self, start_tok: int, end_tok: int) -> dict[str, Any]:

@@ -24,10 +24,14 @@ HERE = Path(__file__).resolve().parent
 
 def run_in_netns(script: str, workdir: Path, *args: str, timeout_s: float = 300.0) -> dict[str, Any]:
     """Run ``tests/peers/scripts/<script>`` under KVTIER_MOONCAKE_PYTHON in a private network namespace."""
-    return netns.run_in_netns(require_env("KVTIER_MOONCAKE_PYTHON"), script, workdir, *args,
-                              timeout_s=timeout_s,
-                              env={"LD_LIBRARY_PATH": require_env("KVTIER_MOONCAKE_LIBDIR"),
-                                   "MC_TCP_BIND_ADDRESS": "127.0.0.1"})
+    return netns.run_in_netns(
+        require_env("KVTIER_MOONCAKE_PYTHON"),
+        script,
+        workdir,
+        *args,
+        timeout_s=timeout_s,
+        env={"LD_LIBRARY_PATH": require_env("KVTIER_MOONCAKE_LIBDIR"), "MC_TCP_BIND_ADDRESS": "127.0.0.1"},
+    )
 
 
 @dataclass
@@ -66,19 +70,44 @@ class MooncakeCluster:
 
         master_bin = str(Path(mooncake.__file__).parent / "mooncake_master")
         log = self.workdir / "master.log"
-        self.master = start([master_bin, "-rpc_address=127.0.0.1", f"-rpc_port={self.rpc_port}",
-                             "-metrics_host=127.0.0.1", f"-metrics_port={self.metrics_port}",
-                             "-enable_http_metadata_server=true", "-http_metadata_server_host=127.0.0.1",
-                             f"-http_metadata_server_port={self.meta_port}",
-                             f"-default_kv_lease_ttl={self.lease_ttl_ms}", "-logtostderr"],
-                            log, new_session=False)
-        wait_for(lambda: httpx.get(self.admin_url + "/health", timeout=2).status_code == 200, 30,
-                 "mooncake master", proc=self.master, log=log)
+        self.master = start(
+            [
+                master_bin,
+                "-rpc_address=127.0.0.1",
+                f"-rpc_port={self.rpc_port}",
+                "-metrics_host=127.0.0.1",
+                f"-metrics_port={self.metrics_port}",
+                "-enable_http_metadata_server=true",
+                "-http_metadata_server_host=127.0.0.1",
+                f"-http_metadata_server_port={self.meta_port}",
+                f"-default_kv_lease_ttl={self.lease_ttl_ms}",
+                "-logtostderr",
+            ],
+            log,
+            new_session=False,
+        )
+        wait_for(
+            lambda: httpx.get(self.admin_url + "/health", timeout=2).status_code == 200,
+            30,
+            "mooncake master",
+            proc=self.master,
+            log=log,
+        )
         ready = self.workdir / "hold.ready"
         ready.unlink(missing_ok=True)
         hlog = self.workdir / "hold.log"
-        self.hold = start([sys.executable, str(HERE / "scripts" / "mooncake_hold.py"), self.hold_segment,
-                           self.metadata_url, self.master_addr, str(ready)], hlog, new_session=False)
+        self.hold = start(
+            [
+                sys.executable,
+                str(HERE / "scripts" / "mooncake_hold.py"),
+                self.hold_segment,
+                self.metadata_url,
+                self.master_addr,
+                str(ready),
+            ],
+            hlog,
+            new_session=False,
+        )
         wait_for(ready.exists, 60, "mooncake hold client", proc=self.hold, log=hlog)
         return self
 

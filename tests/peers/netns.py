@@ -19,8 +19,14 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 
 
-def run_in_netns(python: str, script: str, workdir: Path, *args: str, env: dict[str, str] | None = None,
-                 timeout_s: float = 300.0) -> dict[str, Any]:
+def run_in_netns(
+    python: str,
+    script: str,
+    workdir: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 300.0,
+) -> dict[str, Any]:
     """Execute ``tests/peers/scripts/<script>`` with ``python`` in a fresh network namespace."""
     workdir.mkdir(parents=True, exist_ok=True)
     full = dict(os.environ)
@@ -29,10 +35,23 @@ def run_in_netns(python: str, script: str, workdir: Path, *args: str, env: dict[
     full["PYTHONPATH"] = os.pathsep.join([str(REPO), sysconfig.get_paths()["purelib"]])
     full["PYTHONUNBUFFERED"] = "1"
     full.update(env or {})
-    cmd = ["unshare", "-n", "--", "bash", "-c", 'ip link set lo up && exec "$@"', "bash",
-           python, str(HERE / "scripts" / script), "--workdir", str(workdir), *args]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full,
-                         start_new_session=True)
+    cmd = [
+        "unshare",
+        "-n",
+        "--",
+        "bash",
+        "-c",
+        'ip link set lo up && exec "$@"',
+        "bash",
+        python,
+        str(HERE / "scripts" / script),
+        "--workdir",
+        str(workdir),
+        *args,
+    ]
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full, start_new_session=True
+    )
     try:
         out, err = p.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -41,6 +60,8 @@ def run_in_netns(python: str, script: str, workdir: Path, *args: str, env: dict[
         raise TimeoutError(f"{script} timed out after {timeout_s} s\n{err.decode()[-4000:]}") from None
     lines = [ln for ln in out.decode().splitlines() if ln.startswith("RESULT ")]
     if p.returncode != 0 or not lines:
-        raise RuntimeError(f"{script} failed (rc {p.returncode})\nstdout:\n{out.decode()[-3000:]}\n"
-                           f"stderr:\n{err.decode()[-4000:]}")
-    return dict(json.loads(lines[-1][len("RESULT "):]))
+        raise RuntimeError(
+            f"{script} failed (rc {p.returncode})\nstdout:\n{out.decode()[-3000:]}\n"
+            f"stderr:\n{err.decode()[-4000:]}"
+        )
+    return dict(json.loads(lines[-1][len("RESULT ") :]))

