@@ -90,7 +90,8 @@ class ControlledSidecar(Sidecar):
             actuators=acts, tracer=make_tracer(self.tracer_provider), clock=self.clock,
             api_token=settings.api_token, engine_url=engine_url, engine_model=model, http=self.client,
             placement_policy=None if settings.policy == "none" else settings.policy,
-            placement_tier=settings.policy_tier,
+            placement_tier=settings.policy_tier, allow_active=settings.allow_active,
+            api_options=api_options(settings),
         )  # fmt: skip
         self.plane.http = None  # the sidecar owns the shared client
         if isinstance(self.ingestor, ControlIngestor):
@@ -109,6 +110,21 @@ class ControlledSidecar(Sidecar):
         out = super().status()
         out.update(status_extra(self.plane.ctx))
         return out
+
+
+def api_options(settings: Settings) -> dict[str, Any]:
+    """The API's hardening options from the settings (Host allow-list derived from ``--listen``)."""
+    from kvtier.controller.guard import allowed_hosts_for
+
+    host, _ = settings.listen_host_port
+    return {
+        "allowed_hosts": allowed_hosts_for(host, settings.allowed_hosts),
+        "max_body_bytes": settings.max_body_bytes,
+        "max_inflight": settings.http_max_inflight,
+        "max_pins": settings.max_pins,
+        "max_pinned_tokens": settings.max_pinned_tokens,
+        "max_pin_tokens": settings.max_pin_tokens,
+    }
 
 
 def discover_model(engine_url: str, timeout_s: float = 5.0, field: str = "id") -> str:

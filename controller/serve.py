@@ -27,6 +27,12 @@ def serve(
         None, "--policy", help="Placement policy: a registry name (lru, s3fifo, ...) or none [learned]."
     ),
     policy_tier: str = typer.Option(None, "--policy-tier", help="Tier that policy places [cpu]."),
+    allow_active: bool = typer.Option(
+        None, "--allow-active", help="Let the API switch mode to active (implied by --mode active)."
+    ),
+    insecure_no_auth: bool = typer.Option(
+        None, "--insecure-no-auth", help="Serve a non-loopback --listen without KVTIER_API_TOKEN (unsafe)."
+    ),
 ) -> None:
     """Watch vLLM (metrics + KV events), cache layers and storage; serve /metrics, /v1/status, /readyz;
     run the reconcile loop and the policy API (/v1/policy, /v1/pins, /v1/decisions, ...; OpenAPI at /docs)."""
@@ -43,14 +49,26 @@ def serve(
             mooncake_urls=mooncake_url or None, lmcache_controller_urls=lmcache_controller_url or None,
             listen=listen, mode=mode, actuators=actuator or None,
             state_dir=str(state_dir) if state_dir else None, log_json=log_json, policy=policy,
-            policy_tier=policy_tier,
+            policy_tier=policy_tier, allow_active=allow_active, insecure_no_auth=insecure_no_auth,
         )  # fmt: skip
         host, port = settings.listen_host_port
         configure_logging(settings.log_level, json_lines=settings.log_json)
         sidecar = ControlledSidecar(settings)
     except (PeerNotAvailable, ValueError, OSError) as exc:
-        typer.echo(f"kvtier serve: {exc}", err=True)
+        typer.echo(f"kvtier serve: {_one_line(exc)}", err=True)
         raise typer.Exit(2) from exc
+    import logging
+
+    from kvtier.controller.guard import is_loopback
+
+    slog = logging.getLogger("kvtier.serve")
+    if settings.api_token is None and not is_loopback(host):
+        slog.critical(
+            "INSECURE: --listen %s without KVTIER_API_TOKEN (--insecure-no-auth): anyone who can reach this "
+            "port can change the policy, pins and mode", settings.listen,
+        )  # fmt: skip
+    elif settings.api_token is None:
+        slog.warning("no KVTIER_API_TOKEN: API mutations are open to local processes on %s", settings.listen)
     from kvtier.controller.status_page import install_status_page
 
     app = create_controlled_app(sidecar)
@@ -58,7 +76,22 @@ def serve(
     # the ~100k objects of the imported modules live forever: keep them out of the cyclic GC, whose full
     # collections would otherwise cost tens of ms each (a tick-latency spike when one lands in a tick)
     gc.freeze()
-    uvicorn.run(app, host=host, port=port, log_level=settings.log_level.lower())
+    uvicorn.run(
+        app, host=host, port=port, log_level=settings.log_level.lower(),
+        limit_concurrency=settings.http_max_inflight * 4,  # connections; the guard limits requests in flight
+        timeout_keep_alive=int(max(1, settings.http_keepalive_s)),
+        h11_max_incomplete_event_size=32 * 1024,  # request line + headers, bytes
+        timeout_graceful_shutdown=3,  # SIGTERM: open connections get 3 s, then the sidecar stops
+    )  # fmt: skip
+
+
+def _one_line(exc: BaseException) -> str:
+    """A settings error as one readable line (pydantic's multi-line report folded)."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
+    return str(exc)
 
 
 def register(app: typer.Typer) -> None:
