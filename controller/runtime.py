@@ -207,7 +207,12 @@ def make_placement(
     t = normalize_tier(tier) if isinstance(tier, str) else tier
     doc = loop.policy
     cap = next((c.capacity_blocks for c in doc.tiers if c.tier is t), 0)
-    inferrer = RequestInferrer(clock=clock, block_size_tokens=doc.block_size_tokens)
+    # the parent map of inferred requests is per block: bounded by the same block bound as the index
+    inferrer = RequestInferrer(
+        clock=clock,
+        block_size_tokens=doc.block_size_tokens,
+        max_tracked=int(loop.index.max_blocks or 1_000_000),
+    )
     try:
         pl = PolicyPlacement(name, cap, tier=t, seed=doc.predictor.seed, inferrer=inferrer)
     except KeyError as exc:
