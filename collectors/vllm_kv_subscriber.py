@@ -304,6 +304,7 @@ class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
                         break
                     await self.handle(st.src.dp_rank, frames)
                     if time.monotonic() - t0 >= self.yield_every_s:
+                        self.ingestor.flush()  # bounded: at most one slice of queued index updates
                         await asyncio.sleep(0)  # let the API, the loop and cancellation in
                         self.yields += 1
                         t0 = time.monotonic()
