@@ -60,6 +60,7 @@ def serve(
     import logging
 
     from kvtier.controller.guard import is_loopback
+    from kvtier.controller.http_protocol import deadline_protocol
 
     slog = logging.getLogger("kvtier.serve")
     if settings.api_token is None and not is_loopback(host):
@@ -82,6 +83,7 @@ def serve(
         timeout_keep_alive=int(max(1, settings.http_keepalive_s)),
         h11_max_incomplete_event_size=32 * 1024,  # request line + headers, bytes
         timeout_graceful_shutdown=3,  # SIGTERM: open connections get 3 s, then the sidecar stops
+        http=deadline_protocol(settings.http_request_deadline_s),  # half-sent requests are closed
     )  # fmt: skip
 
 

@@ -95,6 +95,7 @@ class Settings(BaseSettings):
         default=64, ge=4, le=4096
     )  # concurrent requests (503 beyond; not /healthz)
     http_keepalive_s: float = Field(default=5.0, ge=0.5, le=300)  # idle keep-alive connections closed after
+    http_request_deadline_s: float = Field(default=15.0, ge=1, le=600)  # to receive a whole request
     max_pins: int = Field(default=1024, ge=1, le=100_000)
     max_pinned_tokens: int = Field(default=1 << 20, ge=1, le=1 << 26)  # all pins' token ids together
     max_pin_tokens: int = Field(default=131_072, ge=1, le=1 << 22)  # one pin's prefix

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvtier.collectors.vllm_metrics import VllmMetricsCollector
 from kvtier.controller.control_sidecar import ControlledSidecar, create_controlled_app
+from kvtier.controller.http_protocol import deadline_protocol
 from kvtier.controller.runtime import build_control_plane
 from kvtier.controller.settings import Settings, load_settings
 from kvtier.controller.store import StateStore
@@ -44,6 +45,7 @@ class Server:
         self.server: uvicorn.Server | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
+        self.protocol = deadline_protocol(self.settings.http_request_deadline_s)
 
     @property
     def url(self) -> str:
@@ -58,7 +60,7 @@ class Server:
     async def _main(self) -> None:
         self.sidecar = ControlledSidecar(self.settings)
         app = create_controlled_app(self.sidecar)
-        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", http=self.protocol)
         self.server = uvicorn.Server(cfg)
         await self.server.serve()
 
@@ -376,3 +378,51 @@ def test_pin_json_on_disk_has_no_surprises(srv: Server) -> None:
     assert json.loads(rec)["token_ids"] == list(range(64))
     assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     con.close()
+
+
+N = 2000  # never-finished requests
+
+
+def test_never_finished_requests_are_closed(tmp_path: Path) -> None:
+    """2,000 connections that never finish a request (half a header, or a body announced and not sent) are
+    all closed by the server after the request deadline; the API keeps answering meanwhile."""
+    with Server(tmp_path, api_token=TOKEN, http_request_deadline_s=1.0) as s:
+        socks = []
+        for i in range(N):
+            c = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+            if i % 2:
+                c.sendall(b"GET /v1/policy HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+            else:
+                c.sendall(
+                    b"PATCH /v1/policy HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    b"Authorization: Bearer " + TOKEN.encode() + b"\r\nContent-Length: 100\r\n\r\n{"
+                )
+            socks.append(c)
+        assert httpx.get(s.url + "/healthz", timeout=10).status_code == 200
+
+        import selectors
+
+        sel = selectors.DefaultSelector()  # epoll: thousands of descriptors
+        for c in socks:
+            sel.register(c, selectors.EVENT_READ)
+        closed: set[int] = set()
+
+        def all_closed() -> bool:
+            for key, _ in sel.select(timeout=0):
+                c = key.fileobj
+                assert isinstance(c, socket.socket)
+                try:
+                    gone = c.recv(1 << 16) == b""  # (a 503 "busy" answer may come first)
+                except OSError:
+                    gone = True  # reset: closed too
+                if gone:
+                    closed.add(c.fileno())
+                    sel.unregister(c)
+            return len(closed) == len(socks)
+
+        try:
+            wait_for(all_closed, 60, "server to close 2,000 half-sent requests", interval_s=0.2)
+            assert s.protocol.expired == N, s.protocol.expired
+        finally:
+            for c in socks:
+                c.close()
