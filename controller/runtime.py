@@ -218,6 +218,7 @@ def make_placement(
     except KeyError as exc:
         raise ValueError(f"--policy: {exc.args[0]}") from exc
     pl.lookup = loop.index.slot_of
+    pl.max_slots = loop.index.max_blocks  # the one per-block bound (KVTIER_INDEX_MAX_BLOCKS)
     return pl
 
 

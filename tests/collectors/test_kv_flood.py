@@ -41,7 +41,7 @@ async def _flood(
     sub = KvEventSubscriber("kv:flood", "http://127.0.0.1:1", ingestor=ing, client=client,
                             registry=CollectorRegistry(), context=ctx)  # fmt: skip
     sub._configure((KvSource(0, "tcp://127.0.0.1:0", None, TOPIC.decode()),))
-    addr = sub._states[0].sub.getsockopt(zmq.LAST_ENDPOINT).decode()
+    addr = sub._states[0].sub.getsockopt_string(zmq.LAST_ENDPOINT)
     pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.SNDHWM, 0)
     pub.setsockopt(zmq.LINGER, 0)
