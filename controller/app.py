@@ -13,8 +13,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvtier import __version__
 from kvtier.controller.sidecar import Sidecar
 
 
@@ -31,7 +33,7 @@ def create_app(sidecar: Sidecar, *, manage_lifecycle: bool = True, title: str = 
             if manage_lifecycle:
                 await sidecar.stop()
 
-    app = FastAPI(title=title, lifespan=lifespan)
+    app = FastAPIOffline(title=title, version=__version__, lifespan=lifespan)
     app.state.sidecar = sidecar
 
     @app.get("/metrics")
@@ -52,7 +54,8 @@ def create_app(sidecar: Sidecar, *, manage_lifecycle: bool = True, title: str = 
 
     @app.get("/readyz")
     def readyz() -> JSONResponse:
-        """200 when every configured peer answered its last poll, else 503 listing what is down."""
+        """200 when the sidecar itself is ready (an engine configured, collector loops running), else 503
+        with the reasons; ``peers_up``/``down`` report the peers without gating readiness."""
         ready, detail = sidecar.readiness()
         return JSONResponse(detail, status_code=200 if ready else 503)
 

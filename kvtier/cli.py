@@ -4,13 +4,32 @@ from __future__ import annotations
 
 import typer
 
+from kvtier import __version__
+
 app = typer.Typer(
     name="kvtier",
     help="kvtier: learned KV-cache tiering for vLLM / LMCache / Mooncake, with a what-if replay harness.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # help texts write defaults as "[default]"; rich markup would read them as tags and drop them
+    rich_markup_mode=None,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"kvtier {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """kvtier: learned KV-cache tiering for vLLM / LMCache / Mooncake, with a what-if replay harness."""
 
 
 def _register() -> None:

@@ -1,0 +1,115 @@
+"""What an operator sees of a running ``kvtier serve`` (a real process on a free 127.0.0.1 port): one version
+everywhere (``--version``, ``kvtier_build_info``, ``/openapi.json``), the process collectors, ``/readyz``
+about the sidecar itself, and ``/docs`` rendered from bundled assets with no network (headless Chromium)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.peers.sidecar import wait_for
+from tests.peers.vllm import free_port
+
+KVTIER = [sys.executable, "-m", "kvtier"]
+
+
+class Served:
+    def __init__(self, proc: subprocess.Popen[bytes], url: str) -> None:
+        self.proc, self.url = proc, url
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=5)
+
+
+def _serve(tmp_path: Path, *args: str) -> Iterator[Served]:
+    port = free_port()
+    env = dict(os.environ, KVTIER_SCRAPE_INTERVAL_S="0.3", KVTIER_DISCOVERY_INTERVAL_S="0.3")
+    env.pop("KVTIER_ENGINE_URLS", None)
+    p = subprocess.Popen(
+        [*KVTIER, "serve", "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "state"), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    s = Served(p, f"http://127.0.0.1:{port}")
+    try:
+        wait_for(lambda: p.poll() is None and s.get("/healthz").status_code == 200, 60, "kvtier serve up")
+        yield s
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def dead_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """``kvtier serve`` with an engine URL nobody listens on."""
+    yield from _serve(tmp_path_factory.mktemp("serve"), "--engine-url", f"http://127.0.0.1:{free_port()}")
+
+
+def test_one_version_everywhere(dead_engine: Served) -> None:
+    out = subprocess.run([*KVTIER, "--version"], capture_output=True, text=True, check=True).stdout
+    m = re.fullmatch(r"kvtier (\S+)\n", out)
+    assert m, out
+    version = m.group(1)
+    assert dead_engine.get("/openapi.json").json()["info"]["version"] == version
+    metrics = dead_engine.get("/metrics").text
+    build = [ln for ln in metrics.splitlines() if ln.startswith("kvtier_build_info{")]
+    assert len(build) == 1 and f'version="{version}"' in build[0] and build[0].endswith(" 1.0"), build
+    # the process and platform collectors (resident memory, CPU, open fds, python_info)
+    for name in ("process_resident_memory_bytes", "process_cpu_seconds_total", "python_info{"):
+        assert any(ln.startswith(name) for ln in metrics.splitlines()), name
+
+
+def test_readyz_is_about_the_sidecar_not_its_peers(dead_engine: Served) -> None:
+    """The engine is down, yet the sidecar is ready: as a native sidecar its readiness gates the vLLM pod."""
+    r = wait_for(lambda: (x := dead_engine.get("/readyz")).json()["down"] and x, 30, "engine reported down")
+    assert r.status_code == 200 and r.json()["ready"] is True and r.json()["peers_up"] is False
+    assert any(k.startswith("vllm_metrics:") for k in r.json()["down"])
+
+
+def test_no_engine_is_not_ready(tmp_path: Path) -> None:
+    for s in _serve(tmp_path):
+        r = s.get("/readyz")
+        assert r.status_code == 503 and r.json()["ready"] is False
+        assert any("no engine configured" in x for x in r.json()["reasons"]), r.json()
+        assert s.get("/healthz").status_code == 200  # alive: the liveness probe must not restart it
+
+
+def test_docs_page_references_only_bundled_assets(dead_engine: Served) -> None:
+    html = dead_engine.get("/docs").text
+    urls = re.findall(r"""(?:src|href|url)\s*[:=]\s*['"]([^'"]+)['"]""", html)
+    assert urls and all(u.startswith("/") for u in urls), urls  # nothing from a CDN
+    for u in urls:
+        assert dead_engine.get(u).status_code == 200, u
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+def test_docs_render_offline_in_chromium(dead_engine: Served, tmp_path: Path) -> None:
+    """Chromium resolves no host but 127.0.0.1 (``--host-resolver-rules``): a CDN asset could not load."""
+    from PIL import Image
+
+    from tests.e2e import browser
+
+    offline = "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"
+    dom = browser._run(["--virtual-time-budget=8000", offline, "--dump-dom", dead_engine.url + "/docs"], 120)
+    assert 'class="swagger-ui' in dom.stdout and "/readyz" in dom.stdout, dom.stdout[-2000:]
+    assert "opblock" in dom.stdout  # operations were rendered from /openapi.json
+    png = Path(os.environ.get("KVTIER_DOCS_PNG", tmp_path / "docs.png"))
+    browser._run(
+        ["--window-size=1280,900", "--virtual-time-budget=8000", offline, f"--screenshot={png}",
+         dead_engine.url + "/docs"],
+        120,
+    )  # fmt: skip
+    img = Image.open(png).convert("RGB")
+    colors = img.getcolors(maxcolors=1_000_000) or []
+    assert len(colors) > 50, len(colors)  # text, headings and coloured method badges, not a blank page
+    top = max(n for n, _ in colors)
+    assert top < 0.97 * img.width * img.height  # not one flat colour
