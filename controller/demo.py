@@ -287,9 +287,17 @@ def demo(
     from rich.console import Console
 
     from kvtier.controller.logs import configure_logging
+    from kvtier.usage import check_listen, describe, fail
 
     configure_logging("WARNING")
     console = Console()
+    try:
+        from kvtier.controller.settings import Settings
+
+        host, port = Settings(listen=listen).listen_host_port
+    except ValueError as exc:
+        fail(describe(exc))
+    check_listen(host, port)  # before the replay is loaded, not after
     try:
         d = Demo(
             DemoOptions(
@@ -303,8 +311,7 @@ def demo(
             )
         )
     except (ValueError, OSError) as exc:
-        typer.echo(f"kvtier demo: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail(describe(exc))
     n = len(d.workload.requests)
     tc = d.tier_config
     console.print(
@@ -348,8 +355,7 @@ def demo(
         with bar:
             res = asyncio.run(d.run(progress, ready))
     except (RuntimeError, OSError, SystemExit) as exc:
-        typer.echo(f"kvtier demo: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail(describe(exc))
     console.print(comparison_table(res))
     c = res["controller"]
     console.print(

@@ -20,7 +20,11 @@ def serve(
         None, "--config", help="Config file (JSON or TOML); KVTIER_* env overrides it."
     ),
     mode: str = typer.Option(None, "--mode", help="off | shadow | active [persisted policy; shadow]."),
-    actuator: list[str] = typer.Option(None, "--actuator", help="shadow|vllm-warmup|lmcache-mp (repeat)."),
+    actuator: list[str] = typer.Option(
+        None,
+        "--actuator",
+        help="shadow | vllm-warmup | lmcache-mp | mooncake | lmcache-controller (repeatable) [none].",
+    ),
     state_dir: Path = typer.Option(None, "--state-dir", help="Policy/pins/model kept here [.kvtier-state]."),
     log_json: bool = typer.Option(None, "--log-json", help="JSON-lines logs."),
     policy: str = typer.Option(
@@ -36,6 +40,7 @@ def serve(
     from kvtier.controller.logs import configure_logging
     from kvtier.controller.settings import load_settings
     from kvtier.controller.sidecar import PeerNotAvailable
+    from kvtier.usage import check_listen, describe, fail
 
     try:
         settings = load_settings(
@@ -49,8 +54,8 @@ def serve(
         configure_logging(settings.log_level, json_lines=settings.log_json)
         sidecar = ControlledSidecar(settings)
     except (PeerNotAvailable, ValueError, OSError) as exc:
-        typer.echo(f"kvtier serve: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail(describe(exc))
+    check_listen(host, port)  # a busy port is one line now, not a traceback after start-up
     from kvtier.controller.status_page import install_status_page
 
     app = create_controlled_app(sidecar)

@@ -47,9 +47,23 @@ def _register() -> None:
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point: click's usage errors become the one-line ``kvtier <command>: ...``."""
+    import sys
+
+    from kvtier.usage import click_exceptions
+
     _register()
-    app()
+    try:
+        rv = app(prog_name="kvtier", standalone_mode=False)
+    except click_exceptions.UsageError as exc:
+        cmd = exc.ctx.command_path if exc.ctx is not None else "kvtier"
+        msg = " ".join(exc.format_message().split())
+        print(f"{cmd}: {msg} (see '{cmd} --help')", file=sys.stderr)
+        sys.exit(2)
+    except click_exceptions.Abort:
+        print("kvtier: aborted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":
