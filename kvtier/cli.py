@@ -55,12 +55,15 @@ def main() -> None:
     _register()
     try:
         rv = app(prog_name="kvtier", standalone_mode=False)
+    except click_exceptions.NoArgsIsHelpError as exc:  # bare ``kvtier``: the help text, as before
+        print(exc.format_message(), file=sys.stderr)
+        sys.exit(2)
     except click_exceptions.UsageError as exc:
         cmd = exc.ctx.command_path if exc.ctx is not None else "kvtier"
         msg = " ".join(exc.format_message().split())
         print(f"{cmd}: {msg} (see '{cmd} --help')", file=sys.stderr)
         sys.exit(2)
-    except click_exceptions.Abort:
+    except typer.Abort:
         print("kvtier: aborted", file=sys.stderr)
         sys.exit(130)
     sys.exit(rv if isinstance(rv, int) else 0)
