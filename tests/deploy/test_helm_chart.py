@@ -124,9 +124,8 @@ def test_monitors_point_at_real_ports_and_the_token(variant: str) -> None:
     spec = pod_spec(docs)
     ports = {p["name"] for c in spec["containers"] + spec["initContainers"] for p in c.get("ports", [])}
     svc = next(d for d in docs if d["kind"] == "Service")
-    secret = next(
-        e["valueFrom"]["secretKeyRef"] for e in spec["initContainers"][0]["env"] if e["name"] == "KVTIER_API_TOKEN"
-    )
+    env = {e["name"]: e for e in spec["initContainers"][0]["env"]}
+    secret = env["KVTIER_API_TOKEN"]["valueFrom"]["secretKeyRef"]
     monitors = [d for d in docs if d["kind"] in ("PodMonitor", "ServiceMonitor")]
     assert monitors
     for m in monitors:
