@@ -18,4 +18,5 @@ def test_collector_self_metrics_use_readers_not_address() -> None:
     (reader,) = metrics["readers"]
     assert reader["pull"]["exporter"]["prometheus"] == {"host": "0.0.0.0", "port": 8888}
     pipes = doc["service"]["pipelines"]["traces"]
-    assert set(pipes["receivers"]) <= set(doc["receivers"]) and set(pipes["exporters"]) <= set(doc["exporters"])
+    assert set(pipes["receivers"]) <= set(doc["receivers"])
+    assert set(pipes["exporters"]) <= set(doc["exporters"])
