@@ -19,7 +19,7 @@ from kvtier.controller.app import create_app
 from kvtier.controller.runtime import ControlPlane, build_control_plane, make_actuator
 from kvtier.controller.settings import Settings
 from kvtier.controller.sidecar import Sidecar
-from kvtier.controller.tracing import make_tracer, make_tracer_provider
+from kvtier.controller.tracing import instrument_app, instrument_http, make_tracer, make_tracer_provider
 from kvtier.policies.index import BlockIndex
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class ControlledSidecar(Sidecar):
                                       if settings.lmcache_controller_urls else None,
                                       options=options, **extra))  # fmt: skip
         self.tracer_provider = make_tracer_provider()
+        instrument_http(self.tracer_provider)  # actuations' peer calls become child spans
         self.plane = build_control_plane(
             self.ingestor.index, registry=self.registry, state_dir=settings.state_dir, mode=settings.mode,
             actuators=acts, tracer=make_tracer(self.tracer_provider), clock=self.clock,
@@ -129,4 +130,5 @@ def create_controlled_app(sidecar: ControlledSidecar, *, manage_lifecycle: bool 
     """Collectors' app (/metrics, /v1/status, /healthz, /readyz) + the policy API; OpenAPI at /docs."""
     app = create_app(sidecar, manage_lifecycle=manage_lifecycle)
     sidecar.plane.mount(app)
+    instrument_app(app, sidecar.tracer_provider)
     return app

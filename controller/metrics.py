@@ -75,12 +75,17 @@ class ControllerMetrics:
             "kvtier_predictor_training_samples", "Predictor training set size.", registry=r
         )
         self.shadow_hits = Counter(
-            "kvtier_shadow_hits", "Upward decisions whose block came back (would-be hits).", registry=r
+            "kvtier_shadow_hits",
+            "Scored decisions whose move would have produced a hit.",
+            ["action", "tier"],
+            registry=r,
         )
         self.shadow_regrets = Counter(
             "kvtier_shadow_regrets", "Downward decisions whose block came back (would-be misses).", registry=r
         )
-        self.shadow_scored = Counter("kvtier_shadow_scored", "Decisions scored counterfactually.", registry=r)
+        self.shadow_scored = Counter(
+            "kvtier_shadow_scored", "Decisions scored counterfactually.", ["action", "tier"], registry=r
+        )
         self.shadow_unscored_dropped = Counter(
             "kvtier_shadow_unscored_dropped",
             "Decisions dropped unscored to keep the pending queue bounded.",
@@ -109,6 +114,8 @@ class ControllerMetrics:
             self.moves_deferred.labels(action=a)
             for t in TIER_LABELS:
                 self.decisions.labels(action=a, tier=t)
+                self.shadow_scored.labels(action=a, tier=t)
+                self.shadow_hits.labels(action=a, tier=t)
             for o in OUTCOMES:
                 self.decision_outcomes.labels(action=a, outcome=o)
         self.init_layers(layers)

@@ -63,7 +63,8 @@ def serve(
     # the ~100k objects of the imported modules live forever: keep them out of the cyclic GC, whose full
     # collections would otherwise cost tens of ms each (a tick-latency spike when one lands in a tick)
     gc.freeze()
-    uvicorn.run(app, host=host, port=port, log_level=settings.log_level.lower())
+    # log_config=None: uvicorn keeps configure_logging's handler (JSON lines, quiet probe paths)
+    uvicorn.run(app, host=host, port=port, log_level=settings.log_level.lower(), log_config=None)
 
 
 def register(app: typer.Typer) -> None:

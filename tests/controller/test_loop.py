@@ -279,7 +279,8 @@ def test_metrics_series_exist_at_zero_on_start() -> None:
         )
         == 0
     )
-    assert reg.get_sample_value("kvtier_shadow_hits_total") == 0
+    assert reg.get_sample_value("kvtier_shadow_hits_total", {"action": "admit", "tier": "remote"}) == 0
+    assert reg.get_sample_value("kvtier_shadow_scored_total", {"action": "demote", "tier": "cpu"}) == 0
     assert reg.get_sample_value("kvtier_loop_tick_seconds_count") == 0
 
 
@@ -297,6 +298,12 @@ def test_pins_and_shadow_scoring() -> None:
     rep = loop.decisions.report
     assert rep.scored == 2 and rep.regrets == 1 and rep.downward == 2
     assert reg.get_sample_value("kvtier_shadow_regrets_total") == 1
+    # scored per (action, destination tier) of the decisions, as the per-action dashboard panel reads them
+    labels = {(d.action, d.tier or "none") for d in loop.decisions.query() if d.score is not None}
+    scored = sum(
+        reg.get_sample_value("kvtier_shadow_scored_total", {"action": a, "tier": t}) or 0 for a, t in labels
+    )
+    assert scored == 2
 
 
 def test_a_pin_of_blocks_the_index_has_not_seen_is_decided_on_an_empty_index() -> None:

@@ -4,6 +4,7 @@ about the sidecar itself, and ``/docs`` rendered from bundled assets with no net
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -113,3 +114,29 @@ def test_docs_render_offline_in_chromium(dead_engine: Served, tmp_path: Path) ->
     assert len(colors) > 50, len(colors)  # text, headings and coloured method badges, not a blank page
     top = max(n for n, _ in colors)
     assert top < 0.97 * img.width * img.height  # not one flat colour
+
+
+def test_json_logs_cover_uvicorn_and_skip_probe_paths_and_repeat_peer_warnings(tmp_path: Path) -> None:
+    """--log-json: uvicorn's own lines are JSON too; /metrics and probes stay out of the access log; a down
+    engine is one warning (then a reminder every 5 minutes), not one per 0.3 s poll."""
+    gen = _serve(tmp_path, "--log-json", "--engine-url", f"http://127.0.0.1:{free_port()}")
+    s = next(gen)
+    wait_for(lambda: s.get("/readyz").json()["down"], 30, "engine down")
+    for path in ("/metrics", "/healthz", "/readyz", "/v1/status"):
+        assert s.get(path).status_code < 500
+    # several failed polls per collector (0.3 s apart) happen before we stop
+    wait_for(lambda: "kvtier_collector_errors_total" in (t := s.get("/metrics").text)
+             and all(float(ln.split()[-1]) >= 5 for ln in t.splitlines()
+                     if ln.startswith("kvtier_collector_errors_total{collector=\"vllm_metrics")), 30,
+             "5 failed polls")  # fmt: skip
+    with pytest.raises(StopIteration):
+        next(gen)  # stops the server
+    assert s.proc.stdout is not None
+    lines = s.proc.stdout.read().decode().splitlines()
+    records = [json.loads(ln) for ln in lines]  # every line is JSON, uvicorn's included
+    assert any(r["logger"].startswith("uvicorn") for r in records)
+    access = [r["msg"] for r in records if r["logger"] == "uvicorn.access"]
+    assert any("/v1/status" in m for m in access), access
+    assert not [m for m in access if any(p in m for p in ("/metrics", "/healthz", "/readyz"))], access
+    down = [r["msg"] for r in records if r["level"] == "warning" and "vllm_metrics" in r["msg"]]
+    assert len(down) == 1 and "down" in down[0], down
