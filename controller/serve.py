@@ -31,11 +31,17 @@ def serve(
         None, "--policy", help="Placement policy: a registry name (lru, s3fifo, ...) or none [learned]."
     ),
     policy_tier: str = typer.Option(None, "--policy-tier", help="Tier that policy places [cpu]."),
+    reset_state: bool = typer.Option(
+        False, "--reset-state", help="Forget the policy persisted by PATCH/PUT /v1/policy, then start."
+    ),
 ) -> None:
     """Watch vLLM (metrics + KV events), cache layers and storage; serve /metrics, /v1/status, /readyz;
     run the reconcile loop and the policy API (/v1/policy, /v1/pins, /v1/decisions, ...; OpenAPI at /docs)."""
+    import logging
+
     import uvicorn
 
+    from kvtier import __version__
     from kvtier.controller.control_sidecar import ControlledSidecar, create_controlled_app
     from kvtier.controller.logs import configure_logging
     from kvtier.controller.settings import load_settings
@@ -52,10 +58,11 @@ def serve(
         )  # fmt: skip
         host, port = settings.listen_host_port
         configure_logging(settings.log_level, json_lines=settings.log_json)
-        sidecar = ControlledSidecar(settings)
+        sidecar = ControlledSidecar(settings, reset_state=reset_state)
     except (PeerNotAvailable, ValueError, OSError) as exc:
         fail(describe(exc))
     check_listen(host, port)  # a busy port is one line now, not a traceback after start-up
+    logging.getLogger("kvtier.serve").info("kvtier %s: %s", __version__, sidecar.startup_summary())
     from kvtier.controller.status_page import install_status_page
 
     app = create_controlled_app(sidecar)

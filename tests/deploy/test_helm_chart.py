@@ -10,6 +10,7 @@ the rules with ``promtool check rules``."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -179,3 +180,15 @@ def test_chart_app_version_is_kvtiers() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert chart["appVersion"] == __version__
     assert pod_spec(render({}))["initContainers"][0]["image"] == f"kvtier:{__version__}"
+
+
+def test_every_runbook_url_has_a_section_in_the_operator_guide() -> None:
+    doc = (ROOT / "docs" / "operate.md").read_text()
+    anchors = {h.strip().lower() for h in re.findall(r"^#+ (.+)$", doc, re.M)}
+    rules = yaml.safe_load((ROOT / "deploy/prometheus/rules/kvtier.yml").read_text())
+    for g in rules["groups"]:
+        for r in g["rules"]:
+            if "alert" in r:
+                path, _, anchor = r["annotations"]["runbook_url"].partition("#")
+                assert path == "docs/operate.md" and anchor == r["alert"].lower(), r["alert"]
+                assert anchor in anchors, f"docs/operate.md has no section {r['alert']}"
