@@ -623,3 +623,14 @@ def test_the_pin_retry_window_starts_when_the_actuation_returned() -> None:
     assert loop.tick().decisions == 0 and len(act.calls) == 1
     clock.t = t0 + 4 + 5  # the window has passed since the call returned: the unmet pin is retried
     assert loop.tick().decisions == 2 and len(act.calls) == 2
+
+
+def test_predictor_figures_absent_until_the_first_fit() -> None:
+    """No ``kvtier_predictor_auc 0`` before any training: the series appears with its first value."""
+    reg = CollectorRegistry()
+    m = ControllerMetrics(reg)
+    assert reg.get_sample_value("kvtier_predictor_auc") is None
+    assert reg.get_sample_value("kvtier_predictor_training_samples") is None
+    m.predictor_auc.set(0.71)
+    m.predictor_auc.set(0.73)
+    assert reg.get_sample_value("kvtier_predictor_auc") == 0.73
