@@ -218,7 +218,12 @@ def create_control_app(plane: ControlPlane, registry: CollectorRegistry) -> Fast
     """A standalone app (policy API, /metrics, /v1/status); the sidecar mounts the same routes on its own."""
     from prometheus_client import make_asgi_app
 
-    app = FastAPIOffline(title="kvtier control", version=__version__)
+    from kvtier.controller.app import declare_bearer_auth, operation_id
+
+    app = FastAPIOffline(
+        title="kvtier control", version=__version__, generate_unique_id_function=operation_id
+    )
+    declare_bearer_auth(app)
     plane.mount(app, with_status=True)
     app.mount("/metrics", make_asgi_app(registry=registry))
     return app

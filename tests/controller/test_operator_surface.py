@@ -140,3 +140,19 @@ def test_json_logs_cover_uvicorn_and_skip_probe_paths_and_repeat_peer_warnings(t
     assert not [m for m in access if any(p in m for p in ("/metrics", "/healthz", "/readyz"))], access
     down = [r["msg"] for r in records if r["level"] == "warning" and "vllm_metrics" in r["msg"]]
     assert len(down) == 1 and "down" in down[0], down
+
+
+def test_openapi_declares_bearer_auth_readable_ids_and_typed_probes(dead_engine: Served) -> None:
+    spec = dead_engine.get("/openapi.json").json()
+    schemes = spec["components"]["securitySchemes"]
+    assert any(s == {**s, "type": "http", "scheme": "bearer"} for s in schemes.values()), schemes
+    ids = []
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            ids.append(op["operationId"])
+            assert "_v1_" not in op["operationId"] and not op["operationId"].endswith(("_get", "_post")), op
+            if method in ("post", "put", "patch", "delete"):
+                assert op.get("security"), (method, path)
+    assert len(ids) == len(set(ids)) and "get_policy" in ids and "add_pin" in ids
+    ready = spec["paths"]["/readyz"]["get"]["responses"]
+    assert {"200", "503"} <= set(ready) and "$ref" in ready["503"]["content"]["application/json"]["schema"]
