@@ -80,6 +80,7 @@ class Demo:
             log_level="WARNING",
         )
         self.sidecar = ControlledSidecar(settings, ingestor=EmulatedIngestor())
+        self.sidecar.emulated_engine = True
         plane = self.sidecar.plane
         self.lock = threading.Lock()
         loop = plane.loop

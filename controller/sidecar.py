@@ -113,6 +113,7 @@ class Sidecar:
         self.storage: StorageCollector | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.started_at: float | None = None
+        self.emulated_engine = False  # the demo drives the index from a trace: no engine URL needed
         kw: dict[str, Any] = {"client": self.client, "registry": self.registry, "clock": clock}
         for url in settings.engine_urls:
             eng = _engine_label(url)
@@ -244,7 +245,7 @@ class Sidecar:
         ``down`` report the peers (the ``KvtierPeerDown`` alert watches them through /metrics)."""
         down = {c.name: c.health.last_error or "not polled yet" for c in self.collectors if not c.health.up}
         reasons = []
-        if not self.settings.engine_urls:
+        if not self.settings.engine_urls and not self.emulated_engine:
             reasons.append("no engine configured (--engine-url or KVTIER_ENGINE_URLS)")
         if not self._tasks:
             reasons.append("collector loops not started")

@@ -156,3 +156,17 @@ def test_openapi_declares_bearer_auth_readable_ids_and_typed_probes(dead_engine:
     assert len(ids) == len(set(ids)) and "get_policy" in ids and "add_pin" in ids
     ready = spec["paths"]["/readyz"]["get"]["responses"]
     assert {"200", "503"} <= set(ready) and "$ref" in ready["503"]["content"]["application/json"]["schema"]
+
+
+def test_demo_is_ready_without_an_engine_url(tmp_path: Path) -> None:
+    """The demo's engine is the emulated one fed by the trace: its /readyz is 200 (serve's would be 503)."""
+    port = free_port()
+    cmd = [*KVTIER, "demo", "--listen", f"127.0.0.1:{port}", "--speed", "5", "--state-dir", str(tmp_path)]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        r = wait_for(lambda: p.poll() is None and httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2), 60,
+                     "demo serving")  # fmt: skip
+        assert r.status_code == 200 and r.json()["ready"] is True, r.text
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
