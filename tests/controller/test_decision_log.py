@@ -50,7 +50,7 @@ def test_pending_queue_matches_a_reference_through_adds_scoring_and_drops() -> N
         t += 1.0
         if step % 5 == 0:
             before, limit = t - rng.uniform(0, 40), rng.randrange(1, 60)
-            want = []
+            want: list[Decision] = []
             for d in ref:
                 if d.at_s > before or len(want) >= limit:
                     break
@@ -110,7 +110,11 @@ def test_ring_returns_what_went_in_newest_first_filtered_like_a_list() -> None:
         d.pinned = rng.random() < 0.2
         every.append(d)
     for j in range(0, len(every), 7):  # batches and singles
-        log.add_many(every[j : j + 7]) if j % 2 else [log.add(d) for d in every[j : j + 7]]
+        if j % 2:
+            log.add_many(every[j : j + 7])
+        else:
+            for d in every[j : j + 7]:
+                log.add(d)
     kept = every[-64:]
     assert len(log) == 64 and [d.to_dict() for d in log] == [d.to_dict() for d in kept]
     cases = [(None, None, 100), ("evict", None, 5), (None, "failed", 100), ("x", None, 9)]

@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -392,7 +393,7 @@ def test_every_dashboard_query_returns_data(
 def test_alert_rules_evaluate_on_live_data(prometheus: promlib.Prometheus, traffic: int) -> None:
     assert RULES, "no rule files under deploy/prometheus/rules"
 
-    def evaluated() -> list[dict[str, object]] | None:
+    def evaluated() -> list[dict[str, Any]] | None:
         rules = prometheus.rules()
         return (
             rules
@@ -413,8 +414,12 @@ def test_alert_rules_evaluate_on_live_data(prometheus: promlib.Prometheus, traff
     )
     assert rec
     for name in rec:
+
+        def nonzero(n: str = name) -> list[dict[str, Any]]:
+            return [s for s in prometheus.query(n) if s["value"][1] not in ("NaN", "0")]
+
         series = wait_for(
-            lambda n=name: [s for s in prometheus.query(n) if s["value"][1] not in ("NaN", "0")],
+            nonzero,
             120,
             f"recording rule {name} has a non-zero, non-NaN series (the traffic of the first test)",
         )

@@ -38,7 +38,7 @@ def test_status_page_charts_fill_and_change() -> None:
 
         def used_samples(n: int) -> list[dict[str, object]] | None:
             s = demo.get("/v1/history").json()["samples"]
-            ok = [x for x in s if x["tiers"]["gpu"].get("used_bytes", 0) > 0]  # type: ignore[index]
+            ok = [x for x in s if x["tiers"]["gpu"].get("used_bytes", 0) > 0]
             return s if len(ok) >= n else None
 
         first = wait_for(lambda: used_samples(3), 90, "history with tier usage")
