@@ -35,8 +35,11 @@ class DemoProc:
 
 
 @contextlib.contextmanager
-def running_demo(*args: str, timeout_s: float = 120.0) -> Iterator[DemoProc]:
-    """Start ``python -m kvtier demo --listen 127.0.0.1:PORT ARGS``; wait for ``/healthz``; stop on exit."""
+def running_demo(
+    *args: str, timeout_s: float = 120.0, env: dict[str, str] | None = None
+) -> Iterator[DemoProc]:
+    """Start ``python -m kvtier demo --listen 127.0.0.1:PORT ARGS`` (``env`` added to the environment); wait
+    for ``/healthz``; stop on exit."""
     port = free_port()
     wd = Path(tempfile.mkdtemp(prefix="kvtier-demo-e2e-"))
     log = wd / "demo.log"
@@ -51,7 +54,7 @@ def running_demo(*args: str, timeout_s: float = 120.0) -> Iterator[DemoProc]:
         str(wd),
         *args,
     ]
-    proc: subprocess.Popen[bytes] = start(cmd, log)
+    proc: subprocess.Popen[bytes] = start(cmd, log, env=env)
     try:
         wait_for(
             lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200,
