@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.peers.procs import free_port, start, stop, wait_for
+from tests.peers.procs import free_port, start, stop, wait_started
 
 
 @dataclass
@@ -56,12 +56,12 @@ def running_demo(
     ]
     proc: subprocess.Popen[bytes] = start(cmd, log, env=env)
     try:
-        wait_for(
+        wait_started(
             lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200,
-            timeout_s,
             "kvtier demo",
             proc=proc,
             log=log,
+            stall_s=timeout_s,
         )
         yield DemoProc(proc, port, log)
     finally:
