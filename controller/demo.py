@@ -80,6 +80,7 @@ class Demo:
             log_level="WARNING",
         )
         self.sidecar = ControlledSidecar(settings, ingestor=EmulatedIngestor())
+        self.sidecar.emulated_engine = True
         plane = self.sidecar.plane
         self.lock = threading.Lock()
         loop = plane.loop
@@ -270,6 +271,11 @@ def comparison_table(res: dict[str, Any]) -> Any:
     return t
 
 
+def _round(x: float | None, digits: int = 3) -> str:
+    """A figure for the console: ``n/a`` until it exists, else ``digits`` decimals."""
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
 def demo(
     model: str = typer.Option(
         "llama3-8b", "--model", help="Model tier config (replay/configs) or a YAML path."
@@ -287,9 +293,17 @@ def demo(
     from rich.console import Console
 
     from kvtier.controller.logs import configure_logging
+    from kvtier.usage import check_listen, describe, fail
 
     configure_logging("WARNING")
     console = Console()
+    try:
+        from kvtier.controller.settings import Settings
+
+        host, port = Settings(listen=listen).listen_host_port
+    except ValueError as exc:
+        fail(describe(exc))
+    check_listen(host, port)  # before the replay is loaded, not after
     try:
         d = Demo(
             DemoOptions(
@@ -303,8 +317,7 @@ def demo(
             )
         )
     except (ValueError, OSError) as exc:
-        typer.echo(f"kvtier demo: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail(describe(exc))
     n = len(d.workload.requests)
     tc = d.tier_config
     console.print(
@@ -317,7 +330,7 @@ def demo(
     live = sys.stdout.isatty()
     bar = Progress(
         TextColumn("[bold]replay"),
-        BarColumn(),
+        BarColumn(bar_width=16),  # the whole line fits in 120 columns with the figures below
         TextColumn("{task.completed}/{task.total} req"),
         TextColumn("{task.fields[info]}"),
         TimeElapsedColumn(),
@@ -330,10 +343,10 @@ def demo(
     def progress(x: Demo) -> None:
         a, b = x.lru.report(), x.learned.report()
         info = (
-            f"trace {x.now_s - x.t0_ms / 1e3:6.0f} s | prefix hit LRU {100 * a['prefix_hit']:.1f}% "
+            f"trace {x.now_s - x.t0_ms / 1e3:.0f}s | hit LRU {100 * a['prefix_hit']:.1f}% "
             f"learned {100 * b['prefix_hit']:.1f}% | "
             f"TTFT p50 {a['ttft_p50_ms']:.0f}/{b['ttft_p50_ms']:.0f} ms"
-            f" | ticks {x.sidecar.plane.loop.tick_no} decisions {x.sidecar.plane.loop.decisions.total}"
+            f" | {x.sidecar.plane.loop.decisions.total} decisions"
         )
         bar.update(task, completed=x.served, info=info)
         now = time.monotonic()
@@ -348,13 +361,13 @@ def demo(
         with bar:
             res = asyncio.run(d.run(progress, ready))
     except (RuntimeError, OSError, SystemExit) as exc:
-        typer.echo(f"kvtier demo: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail(describe(exc))
     console.print(comparison_table(res))
     c = res["controller"]
     console.print(
         f"controller: {c['ticks']} ticks, {c['decisions']} shadow decisions, "
-        f"shadow precision {c['shadow'].get('precision')}, predictor AUC {c['model'].get('auc')}"
+        f"shadow precision {_round(c['shadow'].get('precision'))}, "
+        f"predictor AUC {_round(c['model'].get('auc'))}"
     )
     if json_out:
         json_out.write_text(json.dumps(res, indent=2, default=str))

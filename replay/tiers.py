@@ -158,6 +158,14 @@ def load_tier_config(path: str | Path) -> TierConfig:
     return parse_tier_config(data, source=str(p))
 
 
+def bundled_config_names() -> list[str]:
+    """Names of the configs shipped in ``kvtier/replay/configs`` (``llama3-8b``, ...), sorted."""
+    from importlib import resources
+
+    root = resources.files("kvtier.replay").joinpath("configs")
+    return sorted(p.name.removesuffix(".yaml") for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
 def bundled_config(name: str) -> Path:
     """Path of a config shipped in ``kvtier/replay/configs`` (e.g. ``llama3-8b``)."""
     from importlib import resources
