@@ -15,6 +15,7 @@ bytes per link. ``--speed`` paces the kvtier arm (simulated seconds per wall sec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import sys
@@ -66,10 +67,15 @@ def policy_doc(sc: Scenario, reqs: list[Request], seed: int = 0) -> PolicyDoc:
         tiers.append(TierConfig(tier=h.tier, capacity_blocks=h.capacity_blocks, load_bandwidth_bytes_s=bw))
     budgets = []
     for h in sc.tiers[2:]:  # moves between the layer's tiers may use half of each link
-        budgets.append(LinkBudgetConfig(link=f"{h.tier.value}->cpu", bytes_per_s=h.read_bytes_s / 2,
-                                        ops_per_s=h.read_bytes_s / 2 / bb, burst_s=sc.tick_interval_s))  # fmt: skip
-        budgets.append(LinkBudgetConfig(link=f"cpu->{h.tier.value}", bytes_per_s=h.write_bytes_s / 2,
-                                        ops_per_s=h.write_bytes_s / 2 / bb, burst_s=sc.tick_interval_s))  # fmt: skip
+        for link, bps in (
+            (f"{h.tier.value}->cpu", h.read_bytes_s),
+            (f"cpu->{h.tier.value}", h.write_bytes_s),
+        ):
+            budgets.append(
+                LinkBudgetConfig(
+                    link=link, bytes_per_s=bps / 2, ops_per_s=bps / 2 / bb, burst_s=sc.tick_interval_s
+                )
+            )
     mean_pos = sum(r.input_length for r in reqs) / max(1, len(reqs)) / 2
     return PolicyDoc(
         mode="active",
@@ -188,10 +194,8 @@ class KvtierArm:
         from kvtier.replay.sim.run import arm_report
 
         self.wall0 = time.monotonic()
-        try:
+        with contextlib.suppress(_Stopped):
             self.model.run(self.reqs)
-        except _Stopped:
-            pass
         self.publish()
         rep = arm_report(self.layer, self.model.result, self.opts.batches)
         rep["actuations_applied"] = dict(self.actuator.applied)
@@ -317,8 +321,9 @@ def demo(
     console.print(comparison_table(res))
     k = res["arms"]["kvtier"]
     console.print(
-        f"sidecar: {k['ticks']} ticks, {k['decisions']} decisions, {k['actuations_applied_total']} moves applied "
-        f'by the layer = kvtier_actuations_total{{outcome="applied"}} {k["kvtier_actuations_applied_metric"]:.0f}'
+        f"sidecar: {k['ticks']} ticks, {k['decisions']} decisions, {k['actuations_applied_total']} moves "
+        'applied by the layer = kvtier_actuations_total{outcome="applied"} '
+        f"{k['kvtier_actuations_applied_metric']:.0f}"
     )
     if json_out:
         json_out.write_text(json.dumps(res, indent=2, default=str))

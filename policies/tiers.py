@@ -104,6 +104,7 @@ class TierHardware:
 
     def __repr__(self) -> str:
         return (
-            f"TierHardware({self.tier.value}, {self.capacity_blocks} blocks, read {self.read_bytes_s:.3g} B/s, "
-            f"write {self.write_bytes_s:.3g} B/s, {self.latency_s * 1e6:.0f} us)"
+            f"TierHardware({self.tier.value}, {self.capacity_blocks} blocks, "
+            f"read {self.read_bytes_s:.3g} B/s, write {self.write_bytes_s:.3g} B/s, "
+            f"{self.latency_s * 1e6:.0f} us)"
         )
