@@ -34,6 +34,7 @@ from kvtier.policies.base import Request
 from kvtier.replay.sim.scenario import Scenario
 
 ARMS = ("no_offload", "default", "kvtier")
+_SUMMARY_KEYS = ("ttft_p50_s", "ttft_p99_s", "throughput_tokens_per_s", "hit_ratio", "requests")
 
 
 @dataclass
@@ -131,6 +132,10 @@ class KvtierArm:
         self.loop.tick()  # commits the document (tiers, placement capacity) before the first request
         self.app = create_controlled_app(self.sidecar)
         self.history = install_status_page(self.app, self.sidecar.registry)
+        self.baselines: dict[str, dict[str, Any]] = {}  # the other arms' figures, set before run()
+        self.baseline_records: dict[str, list[Any]] = {}
+        self.running = False
+        self.app.add_api_route("/v1/demo", self.state, methods=["GET"], summary="The demo's arms so far")
         self.tier_metrics = TierMetrics(self.sidecar.registry)
         for h in sc.tiers:
             self.tier_metrics.capacity.labels(tier=h.tier.value).set(h.capacity_blocks * sc.block_bytes)
@@ -190,12 +195,39 @@ class KvtierArm:
                     total += s.value
         return total
 
+    def state(self) -> dict[str, Any]:
+        """``GET /v1/demo``: the baseline arms and the kvtier arm so far (requests with a first token)."""
+        from kvtier.replay.sim.stats import batch_stats
+
+        recs = [r for r in list(self.model.result.records) if r.first_token_s >= 0]
+        live = batch_stats(recs)
+        arms = {a: {k: rep[k] for k in _SUMMARY_KEYS if k in rep} for a, rep in self.baselines.items()}
+        if recs:  # as many requests of the baselines, for a like-for-like line on the status page
+            for a, per in self.baseline_records.items():
+                arms[a]["so_far"] = batch_stats(per[: len(recs)])
+        return {
+            "scenario": self.sc.name,
+            "running": self.running,
+            "requests": len(self.reqs),
+            "arrived": self.arrived,
+            "kvtier": {
+                **live,
+                "requests_done": len(recs),
+                "moves_applied": sum(self.actuator.applied.values()),
+            },
+            "arms": arms,
+        }
+
     def run(self) -> dict[str, Any]:
         from kvtier.replay.sim.run import arm_report
 
         self.wall0 = time.monotonic()
-        with contextlib.suppress(_Stopped):
-            self.model.run(self.reqs)
+        self.running = True
+        try:
+            with contextlib.suppress(_Stopped):
+                self.model.run(self.reqs)
+        finally:
+            self.running = False
         self.publish()
         rep = arm_report(self.layer, self.model.result, self.opts.batches)
         rep["actuations_applied"] = dict(self.actuator.applied)
@@ -218,11 +250,10 @@ class _Stopped(Exception):
     """The kvtier arm was stopped (``--duration`` or the server shutting down)."""
 
 
-def run_baseline(sc: Scenario, reqs: list[Request], arm: str, batches: int) -> dict[str, Any]:
+def run_baseline(sc: Scenario, reqs: list[Request], arm: str, batches: int) -> tuple[dict[str, Any], Any]:
     from kvtier.replay.sim.run import make_layer, run_arm
 
-    rep, _ = run_arm(sc, reqs, make_layer(sc, offload=arm != "no_offload"), batches=batches)
-    return rep
+    return run_arm(sc, reqs, make_layer(sc, offload=arm != "no_offload"), batches=batches)
 
 
 def compare(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -344,11 +375,14 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
         f"concurrency {sc.serving.concurrency}, tiers "
         + " -> ".join(f"{h.tier.value} {h.capacity_blocks} blocks" for h in sc.tiers))  # fmt: skip
     arms: dict[str, dict[str, Any]] = {}
+    records: dict[str, list[Any]] = {}
     for a in ("no_offload", "default"):
         t = time.monotonic()
-        arms[a] = run_baseline(sc, reqs, a, opts.batches)
+        arms[a], res = run_baseline(sc, reqs, a, opts.batches)
+        records[a] = res.records
         say(f"arm {a}: {time.monotonic() - t:.1f} s")
     arm = KvtierArm(sc, reqs, opts)
+    arm.baselines, arm.baseline_records = dict(arms), records
     try:
         arms["kvtier"] = asyncio.run(_serve_while(arm, say))
     finally:
@@ -369,7 +403,7 @@ def run_demo(opts: DemoOptions, console: Any = None) -> dict[str, Any]:
 def _truncate(sc: Scenario, reqs: list[Request], a: str, opts: DemoOptions, arms: dict[str, Any]) -> Any:
     if a == "kvtier":
         return arms[a]
-    return run_baseline(sc, reqs, a, opts.batches)
+    return run_baseline(sc, reqs, a, opts.batches)[0]
 
 
 async def _serve_while(arm: KvtierArm, say: Callable[[str], None]) -> dict[str, Any]:
