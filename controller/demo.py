@@ -341,7 +341,7 @@ def demo(
     from kvtier.controller.logs import configure_logging
 
     configure_logging("WARNING")
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=132)
     opts = DemoOptions(scenario, max_requests, concurrency, speed, duration, listen,
                        str(state_dir) if state_dir else None, seed, batches)  # fmt: skip
     try:

@@ -1,5 +1,6 @@
 """The simulated cache layer: its default policy (HBM LRU, L1 LRU written through to L2, L2 hits back
-through L1), the optional KVBM frequency filter, link accounting, and the moves the memory actuator applies."""
+through L1), the optional KVBM frequency filter, link accounting, and the moves the memory actuator
+applies."""
 
 from __future__ import annotations
 
