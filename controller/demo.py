@@ -100,6 +100,7 @@ class KvtierArm:
         from kvtier.controller.control_sidecar import ControlledSidecar, create_controlled_app
         from kvtier.controller.settings import Settings
         from kvtier.controller.status_page import install_status_page
+        from kvtier.controller.store import StateStore
         from kvtier.controller.tier_metrics import TierMetrics
         from kvtier.replay.sim.actuator import MemoryActuator
         from kvtier.replay.sim.report import IndexReporter
@@ -111,13 +112,19 @@ class KvtierArm:
         self.layer = make_layer(sc, offload=True)
         self.model = ServingModel(sc, self.layer, on_arrival=self._arrive, ticker=self._tick)
         self._tmp = None if opts.state_dir else tempfile.TemporaryDirectory(prefix="kvtier-demo-")
+        state_dir = opts.state_dir or (self._tmp.name if self._tmp else ".")
+        store = StateStore(state_dir)  # the policy document, persisted as `PUT /v1/policy` would
+        try:
+            store.put_json("policy", policy_doc(sc, reqs, opts.seed).model_dump(mode="json"))
+        finally:
+            store.close()
         settings = Settings(
             engine_urls=[],
             listen=opts.listen,
             mode="active",
             actuators=["memory"],
             actuator_options={"memory": {"layer": self.layer}},
-            state_dir=opts.state_dir or (self._tmp.name if self._tmp else "."),
+            state_dir=state_dir,
             log_level="WARNING",
             policy="learned",
             policy_tier="cpu",
@@ -128,8 +135,6 @@ class KvtierArm:
         act = self.loop.actuators[0]
         assert isinstance(act, MemoryActuator)
         self.actuator = act
-        self.loop.set_policy(policy_doc(sc, reqs, opts.seed))
-        self.loop.tick()  # commits the document (tiers, placement capacity) before the first request
         self.app = create_controlled_app(self.sidecar)
         self.history = install_status_page(self.app, self.sidecar.registry)
         self.baselines: dict[str, dict[str, Any]] = {}  # the other arms' figures, set before run()
@@ -276,8 +281,8 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} PB"
 
 
-def _ci(v: float, hw: float, fmt: str) -> str:
-    return f"{format(v, fmt)} ± {format(hw, fmt)}" if math.isfinite(hw) else f"{format(v, fmt)}"
+def _ci(v: float, hw: float, fmt: str, sign: str = "") -> str:
+    return f"{format(v, sign + fmt)} ± {format(hw, fmt)}" if math.isfinite(hw) else format(v, sign + fmt)
 
 
 def comparison_table(res: dict[str, Any]) -> Any:
@@ -301,7 +306,7 @@ def comparison_table(res: dict[str, Any]) -> Any:
                             ("throughput_tokens_per_s", "throughput (output tok/s)", ".1f")):  # fmt: skip
         diff = d.get(key)
         t.add_row(label, *(_ci(arms[a][key], arms[a][f"{key}_ci95"], fmt) for a in ARMS),
-                  _ci(diff["mean"], diff["ci95"], "+" + fmt) if diff else "")  # fmt: skip
+                  _ci(diff["mean"], diff["ci95"], fmt, "+") if diff else "")  # fmt: skip
     t.add_row("prefix hit (all tiers)", *(f"{100 * arms[a]['hit_ratio']:.1f}%" for a in ARMS), "")
     tiers = list(arms["default"]["hit_tokens_by_tier"])
     for tier in tiers:

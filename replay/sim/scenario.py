@@ -49,6 +49,7 @@ class Serving:
     concurrency: int = 16  # running sequences (vLLM max_num_seqs)
     token_budget: int = 8192  # tokens per engine step (chunked prefill: max_num_batched_tokens)
     time_scale: float = 1.0  # trace seconds per simulated second (>1 compresses arrivals)
+    closed_loop: bool = False  # TTFT from when a slot frees (a client holding `concurrency` requests)
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ _KNOWN = {
               "weight_bytes"},
     "accelerator": {"name", "count", "peak_flops", "mfu", "hbm_bytes_s", "mbu", "step_overhead_s"},
     "tier": {"name", "capacity_gib", "capacity_blocks", "read_gbps", "write_gbps", "latency_us"},
-    "serving": {"concurrency", "token_budget", "time_scale"},
+    "serving": {"concurrency", "token_budget", "time_scale", "closed_loop"},
     "trace": {"max_requests", "min_input_tokens"},
 }  # fmt: skip
 
@@ -175,6 +176,7 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
         concurrency=int(_num(sv, "concurrency", f"{source}: serving", 16)),
         token_budget=int(_num(sv, "token_budget", f"{source}: serving", 8192)),
         time_scale=_num(sv, "time_scale", f"{source}: serving", 1.0),
+        closed_loop=bool(sv.get("closed_loop", False)),
     )
     if serving.concurrency < 1 or serving.token_budget < 1 or serving.time_scale <= 0:
         raise ValueError(f"{source}: serving needs concurrency >= 1, token_budget >= 1, time_scale > 0")

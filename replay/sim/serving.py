@@ -121,6 +121,8 @@ class ServingModel:
         self.result.records.append(rec)
         with self.slots.request() as slot:
             yield slot
+            if self.sc.serving.closed_loop:  # a benchmark client with this many requests in flight
+                rec.arrival_s = env.now
             rec.queue_s = env.now - rec.arrival_s
             self.layer.now = env.now
             chain = r.hash_ids.tolist()
