@@ -29,11 +29,18 @@ from typing import Any
 
 import typer
 
-from kvtier.controller.policy_doc import LinkBudgetConfig, PolicyDoc, PredictorSettings, TierConfig
+from kvtier.controller.policy_doc import (
+    BudgetLimits,
+    LinkBudgetConfig,
+    PolicyDoc,
+    PredictorSettings,
+    TierConfig,
+)
 from kvtier.policies.base import Request
 from kvtier.replay.sim.scenario import Scenario
 
 ARMS = ("no_offload", "default", "kvtier")
+RETRAIN_EVERY_S = 120.0  # simulated seconds between retrains of the sidecar's fallback reuse model
 _SUMMARY_KEYS = ("ttft_p50_s", "ttft_p99_s", "throughput_tokens_per_s", "hit_ratio", "requests")
 
 
@@ -82,7 +89,7 @@ def policy_doc(sc: Scenario, reqs: list[Request], seed: int = 0) -> PolicyDoc:
         mode="active",
         tiers=tiers,
         budgets=budgets,
-        default_budget={"bytes_per_s": 1e13, "ops_per_s": 1e6, "burst_s": sc.tick_interval_s},
+        default_budget=BudgetLimits(bytes_per_s=1e13, ops_per_s=1e6, burst_s=sc.tick_interval_s),
         block_size_tokens=sc.block_tokens,
         block_bytes=bb,
         prefill_s_per_token=sc.compute.mean_s_per_token(mean_pos),
@@ -148,6 +155,7 @@ class KvtierArm:
         self._seen_links: dict[str, int] = {}
         self._seen_lookup = 0
         self.arrived = 0
+        self._next_retrain = RETRAIN_EVERY_S
         self.stop = threading.Event()
         self.wall0 = 0.0
 
@@ -165,6 +173,10 @@ class KvtierArm:
     def _tick(self, now: float) -> None:
         self.loop.tick()
         self.publish()
+        if now >= self._next_retrain:  # as `POST /v1/model/retrain` (the plane task would run on wall time)
+            self._next_retrain = now + RETRAIN_EVERY_S
+            with contextlib.suppress(self.sidecar.plane.ctx.models.NotTrainable):
+                self.sidecar.plane.ctx.models.retrain()
         if self.stop.is_set() or (
             self.opts.duration_s is not None and time.monotonic() - self.wall0 >= self.opts.duration_s
         ):
@@ -179,10 +191,10 @@ class KvtierArm:
         m, lay = self.tier_metrics, self.layer
         for t in lay.order:
             m.used.labels(tier=t.value).set(lay.resident(t) * lay.block_bytes)
-        for t, n in lay.hit_tokens.items():
-            if n > self._seen_hits.get(t, 0):
-                m.hit_tokens.labels(tier=t).inc(n - self._seen_hits.get(t, 0))
-                self._seen_hits[t] = n
+        for name, n in lay.hit_tokens.items():
+            if n > self._seen_hits.get(name, 0):
+                m.hit_tokens.labels(tier=name).inc(n - self._seen_hits.get(name, 0))
+                self._seen_hits[name] = n
         if lay.lookup_tokens > self._seen_lookup:
             m.lookup_tokens.inc(lay.lookup_tokens - self._seen_lookup)
             self._seen_lookup = lay.lookup_tokens

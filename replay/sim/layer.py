@@ -171,6 +171,7 @@ class CacheLayer:
         from_cpu: list[int] = []
         from_below: dict[Tier, list[int]] = {}
         for b, t in zip(chain[:n], tiers[:n], strict=True):
+            assert t is not None  # the first n blocks were found
             ready = max(ready, self.t[t].lru[b])  # a prefetch still in flight
             if t is Tier.GPU:
                 gpu.lru.move_to_end(b)

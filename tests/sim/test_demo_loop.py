@@ -62,3 +62,19 @@ def test_sidecar_moves_are_the_layers_applied_moves(tmp_path: Any) -> None:
     json.dumps(out)  # what --json writes
     # tiering is worth something on this slice: the default beats no offload on hits
     assert out["arms"]["default"]["hit_ratio"] > out["arms"]["no_offload"]["hit_ratio"]
+
+
+def test_cli_writes_the_three_arms_as_json(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "demo.json"
+    args = ["demo", "--max-requests", "150", "--listen", "127.0.0.1:0", "--json", str(out)]
+    r = subprocess.run([sys.executable, "-m", "kvtier", *args, "--state-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "kvtier (active)" in r.stdout and "TTFT p50" in r.stdout
+    arms = json.loads(out.read_text())["arms"]
+    assert set(arms) == {"no_offload", "default", "kvtier"}
+    for a in arms.values():
+        assert {"ttft_p50_s", "ttft_p99_s", "throughput_tokens_per_s", "ttft_p50_s_ci95"} <= set(a)
