@@ -104,6 +104,8 @@ class KvtierArm:
     """The real sidecar wired to the simulator: memory actuator, residency reports, injected clock."""
 
     def __init__(self, sc: Scenario, reqs: list[Request], opts: DemoOptions) -> None:
+        from prometheus_client import Gauge
+
         from kvtier.controller.control_sidecar import ControlledSidecar, create_controlled_app
         from kvtier.controller.settings import Settings
         from kvtier.controller.status_page import install_status_page
@@ -151,6 +153,20 @@ class KvtierArm:
         self.tier_metrics = TierMetrics(self.sidecar.registry)
         for h in sc.tiers:
             self.tier_metrics.capacity.labels(tier=h.tier.value).set(h.capacity_blocks * sc.block_bytes)
+        reg = self.sidecar.registry
+        so_far = "over the requests the kvtier arm has served so far"
+        self.g_ttft = Gauge(
+            "kvtier_demo_ttft_seconds",
+            f"TTFT quantile per demo arm {so_far}, seconds.",
+            ["arm", "quantile"],
+            registry=reg,
+        )
+        self.g_tput = Gauge(
+            "kvtier_demo_throughput_tokens_per_second",
+            f"Output tokens/s per demo arm {so_far}.",
+            ["arm"],
+            registry=reg,
+        )
         self._seen_hits: dict[str, int] = {}
         self._seen_links: dict[str, int] = {}
         self._seen_lookup = 0
@@ -201,6 +217,12 @@ class KvtierArm:
         links = lay.bytes_by_link()
         m.add_moved({k: v - self._seen_links.get(k, 0) for k, v in links.items()})
         self._seen_links = links
+        if self.loop.tick_no % 10 == 0 or not self.running:
+            _, figs = self.so_far()
+            for arm, f in figs.items():
+                self.g_ttft.labels(arm=arm, quantile="0.5").set(f["ttft_p50_s"])
+                self.g_ttft.labels(arm=arm, quantile="0.99").set(f["ttft_p99_s"])
+                self.g_tput.labels(arm=arm).set(f["throughput_tokens_per_s"])
 
     def applied_metric(self) -> float:
         """``kvtier_actuations_total{layer="memory", outcome="applied"}`` summed over actions."""
@@ -212,16 +234,25 @@ class KvtierArm:
                     total += s.value
         return total
 
-    def state(self) -> dict[str, Any]:
-        """``GET /v1/demo``: the baseline arms and the kvtier arm so far (requests with a first token)."""
+    def so_far(self) -> tuple[int, dict[str, dict[str, float]]]:
+        """Requests the kvtier arm has served (first token) and each arm's figures over as many requests."""
         from kvtier.replay.sim.stats import batch_stats
 
         recs = [r for r in list(self.model.result.records) if r.first_token_s >= 0]
-        live = batch_stats(recs)
+        if not recs:
+            return 0, {}
+        out = {a: batch_stats(per[: len(recs)]) for a, per in self.baseline_records.items()}
+        out["kvtier"] = batch_stats(recs)
+        return len(recs), out
+
+    def state(self) -> dict[str, Any]:
+        """``GET /v1/demo``: the baseline arms and the kvtier arm so far (requests with a first token)."""
+        n, figs = self.so_far()
+        live = figs.get("kvtier", {})
         arms = {a: {k: rep[k] for k in _SUMMARY_KEYS if k in rep} for a, rep in self.baselines.items()}
-        if recs:  # as many requests of the baselines, for a like-for-like line on the status page
-            for a, per in self.baseline_records.items():
-                arms[a]["so_far"] = batch_stats(per[: len(recs)])
+        for a in arms:  # as many requests of the baselines, for a like-for-like line on the status page
+            if a in figs:
+                arms[a]["so_far"] = figs[a]
         return {
             "scenario": self.sc.name,
             "running": self.running,
@@ -229,7 +260,7 @@ class KvtierArm:
             "arrived": self.arrived,
             "kvtier": {
                 **live,
-                "requests_done": len(recs),
+                "requests_done": n,
                 "moves_applied": sum(self.actuator.applied.values()),
             },
             "arms": arms,

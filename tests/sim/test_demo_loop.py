@@ -49,7 +49,22 @@ def test_sidecar_moves_are_the_layers_applied_moves(tmp_path: Any) -> None:
             seen_running = (_applied(m), st)
             break
     assert seen_running is not None, "no applied actuation seen on /metrics while the kvtier arm ran"
-    assert set(seen_running[1]["arms"]) == {"no_offload", "default"}
+    st = seen_running[1]
+    assert set(st["arms"]) == {"no_offload", "default"}
+    # the status page's baseline line: the default arm over as many requests as kvtier has served
+    line = 'kvtier_demo_ttft_seconds{arm="default",quantile="0.5"}'
+    m = ""
+    wait_deadline = time.monotonic() + 120
+    while th.is_alive() and time.monotonic() < wait_deadline:
+        st = httpx.get(url + "/v1/demo", timeout=5).json()
+        m = httpx.get(url + "/metrics", timeout=5).text
+        if "so_far" in st["arms"]["default"] and line in m:
+            break
+        th.join(0.1)
+    assert st["kvtier"]["requests_done"] > 0 and st["arms"]["default"]["so_far"]["ttft_p50_s"] > 0
+    assert line in m
+    page = httpx.get(url + "/", timeout=5).text
+    assert 'id="s-demo"' in page and "/v1/demo" in page
     th.join(timeout=240)
     assert not th.is_alive()
     k = out["arms"]["kvtier"]
