@@ -72,7 +72,7 @@ def policy_doc(sc: Scenario, reqs: list[Request], seed: int = 0) -> PolicyDoc:
             bw = h.read_bytes_s
         else:  # loaded through L1: both links in series
             bw = 1.0 / (1.0 / h.read_bytes_s + 1.0 / cpu.read_bytes_s)
-        tiers.append(TierConfig(tier=h.tier, capacity_blocks=h.capacity_blocks, load_bandwidth_bytes_s=bw))
+        tiers.append(TierConfig.from_hardware(h, bw))
     budgets = []
     for h in sc.tiers[2:]:  # moves between the layer's tiers may use half of each link
         for link, bps in (
@@ -272,8 +272,12 @@ class KvtierArm:
         self.wall0 = time.monotonic()
         self.running = True
         try:
-            with contextlib.suppress(_Stopped):
-                self.model.run(self.reqs)
+            self.model.run(self.reqs)
+        except _Stopped:  # keep the leading requests that have their first token (the baselines re-run them)
+            recs = self.model.result.records
+            k = next((i for i, r in enumerate(recs) if r.first_token_s < 0), len(recs))
+            del recs[k:]
+            self.model.result.end_s = self.model.clock()
         finally:
             self.running = False
         self.publish()

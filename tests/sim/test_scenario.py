@@ -48,3 +48,18 @@ def test_typos_and_bad_values_are_errors() -> None:
         parse_scenario(_doc(disk_admission="sometimes"))
     with pytest.raises(ValueError, match="must be a number"):
         parse_scenario(_doc(accelerator={"peak_flops": "fast", "mfu": 0.5, "hbm_bytes_s": 1, "mbu": 1}))
+
+
+def test_one_tier_model_feeds_replay_and_the_planner() -> None:
+    from kvtier.controller.policy_doc import PolicyDoc, TierConfig
+    from kvtier.replay.runner import resolve_tiers
+
+    tc = resolve_tiers("llama3-8b")
+    hw = [t.hardware(1000, tc.block_bytes) for t in tc.tiers]
+    assert [h.tier for h in hw] == [Tier.GPU, Tier.CPU, Tier.DISK, Tier.REMOTE]
+    assert hw[1].capacity_blocks == 512 * 2**30 // tc.block_bytes and hw[2].read_bytes_s == 12e9
+    assert hw[2].load_s(12e9) == pytest.approx(1.0 + 100e-6)
+    cfg = TierConfig.from_hardware(hw[2])
+    assert cfg.capacity_blocks == hw[2].capacity_blocks and cfg.load_bandwidth_bytes_s == 12e9
+    (spec,) = PolicyDoc(tiers=[cfg]).planner_config().tiers
+    assert spec.capacity_blocks == hw[2].capacity_blocks and spec.load_bandwidth_bytes_s == 12e9
