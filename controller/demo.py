@@ -138,7 +138,8 @@ class KvtierArm:
             policy="learned",
             policy_tier="cpu",
         )
-        self.sidecar = ControlledSidecar(settings, clock=self.clock)
+        ingestor = _sim_ingestor(settings.index_max_blocks)
+        self.sidecar = ControlledSidecar(settings, ingestor=ingestor, clock=self.clock)
         self.layer.observer = IndexReporter(self.sidecar.ingestor.index, sc.block_bytes, self.t0_s)
         self.loop = self.sidecar.plane.loop
         act = self.loop.actuators[0]
@@ -296,6 +297,19 @@ class KvtierArm:
     def close(self) -> None:
         if self._tmp is not None:
             self._tmp.cleanup()
+
+
+def _sim_ingestor(max_blocks: int | None) -> Any:
+    """A :class:`ControlIngestor` whose blocks tracked per tier (``kvtier_blocks_tracked``, the status page)
+    are counted from the index: no KV events in the simulation, the layer's residency reports fill it."""
+    from kvtier.controller.control_sidecar import ControlIngestor
+    from kvtier.policies.index import BlockIndex
+
+    class SimIngestor(ControlIngestor):
+        def blocks_tracked(self) -> dict[str, int]:
+            return {t.value: int(n) for t, n in self.index.count_by_tier().items()}
+
+    return SimIngestor(BlockIndex(max_blocks=max_blocks))
 
 
 class _Stopped(Exception):

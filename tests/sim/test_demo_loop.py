@@ -63,6 +63,8 @@ def test_sidecar_moves_are_the_layers_applied_moves(tmp_path: Any) -> None:
         th.join(0.1)
     assert st["kvtier"]["requests_done"] > 0 and st["arms"]["default"]["so_far"]["ttft_p50_s"] > 0
     assert line in m
+    gpu = [ln for ln in m.splitlines() if ln.startswith('kvtier_blocks_tracked{tier="gpu"}')]
+    assert gpu and float(gpu[0].rsplit(" ", 1)[1]) > 0  # counted from the index the layer reports into
     page = httpx.get(url + "/", timeout=5).text
     assert 'id="s-demo"' in page and "/v1/demo" in page
     th.join(timeout=240)
