@@ -1,6 +1,6 @@
 """Build cache-layer actuators by name (``kvtier serve --actuator NAME``): ``lmcache-mp``,
-``lmcache-controller``, ``mooncake``, ``memory`` (the simulator's layer). ``vllm-warmup`` and ``shadow`` are registered by their own modules
-through :func:`register`."""
+``lmcache-controller``, ``mooncake``, ``memory`` (the simulator's layer). ``vllm-warmup`` and ``shadow`` are
+registered by their own modules through :func:`register`."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ PROGRESS = re.compile(
 
 
 def check_progress(out: str) -> list[tuple[int, int]]:
-    """The demo's ``progress:`` lines: several, each a step further -> [(requests arrived, simulated s), ...]."""
+    """The demo's ``progress:`` lines: several, each a step further -> [(requests arrived, simulated s)]."""
     lines = [(int(m[1]), int(m[3])) for m in PROGRESS.finditer(out)]
     assert len(lines) >= 3, f"expected several progress lines, got {len(lines)}:\n{out[:3000]}"
     served = [n for n, _ in lines]
