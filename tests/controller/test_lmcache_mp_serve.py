@@ -136,6 +136,7 @@ class Stack:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)  # fmt: skip
+
         def ready() -> bool:
             r = self.get("/readyz")
             return r.status_code == 200 and bool(r.json()["peers_up"])
