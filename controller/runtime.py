@@ -39,7 +39,7 @@ from kvtier.policies.tiers import Tier, normalize_tier
 
 log = logging.getLogger(__name__)
 
-ACTUATOR_NAMES = ("shadow", "vllm-warmup", "lmcache-mp", "mooncake", "lmcache-controller")
+ACTUATOR_NAMES = ("shadow", "vllm-warmup", "lmcache-mp", "mooncake", "lmcache-controller", "memory")
 
 
 def make_actuator(

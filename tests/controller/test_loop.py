@@ -25,7 +25,7 @@ from kvtier.controller.actuators.base import (
 from kvtier.controller.loop import ReconcileLoop
 from kvtier.controller.metrics import ControllerMetrics
 from kvtier.controller.pins import Pin, PinSet
-from kvtier.controller.policy_doc import PolicyDoc, TierConfig
+from kvtier.controller.policy_doc import Mode, PolicyDoc, TierConfig
 from kvtier.controller.tracing import make_tracer, make_tracer_provider
 from kvtier.policies.index import BlockIndex
 from kvtier.policies.tiers import Tier
@@ -62,7 +62,7 @@ class Clock:
         return self.t
 
 
-def make(mode: str = "active", fail: bool = False):  # type: ignore[no-untyped-def]
+def make(mode: Mode = "active", fail: bool = False):  # type: ignore[no-untyped-def]
     reg = CollectorRegistry()
     exporter = InMemorySpanExporter()
     tracer = make_tracer(make_tracer_provider(exporter=exporter, simple=True))
@@ -144,7 +144,7 @@ def test_predictor_failure_falls_back_to_heuristic_and_counts() -> None:
         def info(self) -> dict[str, object]:
             return {}
 
-    loop.predictor = Broken()  # type: ignore[assignment]
+    loop.predictor = Broken()
     loop.fault.clear()
     rep = loop.tick()
     assert rep.outcome == "ok" and rep.predictor == "heuristic" and rep.decisions == 2
@@ -190,7 +190,7 @@ def test_predictor_run_ahead_on_a_worker_gives_the_same_ticks_and_its_failure_fa
     loop, idx, act, reg, _, clock = make()
     loop.predict_ahead_min_rows = 0
     fill_gpu(idx, clock)
-    loop.predictor = BrokenIndexOnly()  # type: ignore[assignment]
+    loop.predictor = BrokenIndexOnly()
     rep = loop.tick()
     assert threads and threads[0].startswith("kvtier-predict")
     assert rep.outcome == "ok" and rep.predictor == "heuristic" and rep.decisions == 2
@@ -351,7 +351,7 @@ def test_run_counts_tick_timeouts_and_skips_overlapping_ticks() -> None:
         release.wait(timeout=30)
         return orig(action, blocks, to)
 
-    act._do = stuck  # type: ignore[method-assign]
+    act._do = stuck
     loop.set_policy(loop.policy.model_copy(update={"tick_timeout_s": 0.2, "tick_interval_s": 0.05}))
 
     def sample(outcome: str) -> float:
@@ -437,7 +437,7 @@ def test_outcomes_keyed_by_layer_keys_are_attributed_per_ref_and_routing_respect
     idx2.store(31, None, Tier.CPU, t=clock2.t * 1000)
     loop2.pins.add(Pin("g", Tier.GPU, [31, 32], clock2.t, token_ids=list(range(64)), block_size=32))
     rep2 = loop2.tick()  # prefetch cpu->gpu and admit of 32: neither can go to a cpu/disk layer
-    assert rep2.outcomes["shadow"] == 2 and loop2.actuators[0].calls == []  # type: ignore[attr-defined]
+    assert rep2.outcomes["shadow"] == 2 and loop2.actuators[0].calls == []
 
 
 def test_emulated_layer_pins_are_refreshed_each_active_tick_and_unpinned_when_the_pin_goes() -> None:

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from kvtier.collectors.vllm_events import BlockStored, decode_frames
 from kvtier.controller.control_sidecar import ControlIngestor
-from kvtier.controller.policy_doc import BudgetLimits, PolicyDoc, TierConfig
+from kvtier.controller.policy_doc import BudgetLimits, PolicyDoc, PredictorSettings, TierConfig
 from kvtier.controller.runtime import ControlPlane, build_control_plane, create_control_app
 from kvtier.policies.base import Request
 from kvtier.policies.registry import get_policy
@@ -121,7 +121,7 @@ def live_plane(
         hysteresis_s=86400,  # shadow mode: moves stay assumed done for the whole run
         default_budget=BudgetLimits(bytes_per_s=1e15, ops_per_s=1e6, burst_s=1.0),
         block_size_tokens=BS,
-        predictor={"seed": seed},
+        predictor=PredictorSettings(seed=seed),
     )
     ing = ControlIngestor()
     reg = CollectorRegistry()

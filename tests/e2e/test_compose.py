@@ -140,15 +140,24 @@ def test_mounted_and_built_files_exist() -> None:
 def test_a_broken_compose_file_is_rejected(tmp_path: Path) -> None:
     bad = tmp_path / "docker-compose.yml"
     bad.write_text("services:\n  x:\n    image: a\n    ports: {not: a list}\n")
-    r = subprocess.run(
-        [*compose_cmd(), "-f", str(bad), "config", "-q"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=60,
-        check=False,
-    )
-    assert r.returncode != 0
+
+    def config(f: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*compose_cmd(), "-f", str(f), "config", "-q"],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=60,
+            check=False,
+        )
+
+    r = config(bad)
+    # rejected for the reason planted (the mapping where a list belongs), not for a missing client or file
+    assert r.returncode != 0 and "ports" in r.stdout + r.stderr, r.stdout + r.stderr
+    good = tmp_path / "good.yml"
+    good.write_text(bad.read_text().replace("{not: a list}", '["8080:80"]'))
+    ok = config(good)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
 
 
 def kvtier_services() -> dict[str, dict[str, Any]]:
