@@ -279,7 +279,8 @@ def test_metrics_series_exist_at_zero_on_start() -> None:
         )
         == 0
     )
-    assert reg.get_sample_value("kvtier_shadow_hits_total") == 0
+    assert reg.get_sample_value("kvtier_shadow_hits_total", {"action": "admit", "tier": "remote"}) == 0
+    assert reg.get_sample_value("kvtier_shadow_scored_total", {"action": "demote", "tier": "cpu"}) == 0
     assert reg.get_sample_value("kvtier_loop_tick_seconds_count") == 0
 
 
@@ -297,6 +298,12 @@ def test_pins_and_shadow_scoring() -> None:
     rep = loop.decisions.report
     assert rep.scored == 2 and rep.regrets == 1 and rep.downward == 2
     assert reg.get_sample_value("kvtier_shadow_regrets_total") == 1
+    # scored per (action, destination tier) of the decisions, as the per-action dashboard panel reads them
+    labels = {(d.action, d.tier or "none") for d in loop.decisions.query() if d.score is not None}
+    scored = sum(
+        reg.get_sample_value("kvtier_shadow_scored_total", {"action": a, "tier": t}) or 0 for a, t in labels
+    )
+    assert scored == 2
 
 
 def test_a_pin_of_blocks_the_index_has_not_seen_is_decided_on_an_empty_index() -> None:
@@ -616,3 +623,14 @@ def test_the_pin_retry_window_starts_when_the_actuation_returned() -> None:
     assert loop.tick().decisions == 0 and len(act.calls) == 1
     clock.t = t0 + 4 + 5  # the window has passed since the call returned: the unmet pin is retried
     assert loop.tick().decisions == 2 and len(act.calls) == 2
+
+
+def test_predictor_figures_absent_until_the_first_fit() -> None:
+    """No ``kvtier_predictor_auc 0`` before any training: the series appears with its first value."""
+    reg = CollectorRegistry()
+    m = ControllerMetrics(reg)
+    assert reg.get_sample_value("kvtier_predictor_auc") is None
+    assert reg.get_sample_value("kvtier_predictor_training_samples") is None
+    m.predictor_auc.set(0.71)
+    m.predictor_auc.set(0.73)
+    assert reg.get_sample_value("kvtier_predictor_auc") == 0.73

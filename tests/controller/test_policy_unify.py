@@ -220,6 +220,7 @@ def test_live_learned_matches_replay_through_retrains_and_reports_quality(tmp_pa
         assert m[k] == q[k], k
     assert m["calibration"] == q["reliability"] and m["policy"]["requests_served"] == len(reqs)
     assert "fallback_model" in m
+    assert set(m["auc_of"]) == {"auc", "fallback_auc", "fallback_model.auc"}  # each AUC says what it is of
     metrics = c.get("/metrics/").text
     line = next(x for x in metrics.splitlines() if x.startswith("kvtier_predictor_auc "))
     assert abs(float(line.split()[1]) - q["auc"]) < 1e-9

@@ -53,6 +53,7 @@ def run_config(
 ) -> subprocess.CompletedProcess[str]:
     """``compose -f docker-compose.yml [extra] config [-q]``."""
     full_env = dict(os.environ)
+    full_env.setdefault("KVTIER_API_TOKEN", "compose-test-token")  # the file requires one (0.0.0.0 bind)
     full_env.update(env or {})
     return subprocess.run(
         [
@@ -257,3 +258,26 @@ def test_demo_keeps_serving_after_the_trace() -> None:
     """The demo exits at the trace's end: compose starts it again (else KvtierSidecarDown, empty boards)."""
     for name, svc in kvtier_services().items():
         assert svc.get("restart") in ("always", "unless-stopped"), name
+
+
+def test_compose_refuses_to_start_kvtier_without_a_token() -> None:
+    """kvtier listens on 0.0.0.0 inside its container: compose names the missing token instead of starting."""
+    env = {k: v for k, v in os.environ.items() if k != "KVTIER_API_TOKEN"}
+    cmd = [*compose_cmd(), "-f", str(REPO / "docker-compose.yml"), "--profile", "demo", "config", "-q"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=120, check=False)
+    assert r.returncode != 0 and "KVTIER_API_TOKEN" in r.stderr, r.stderr
+    doc = rendered("--profile", "demo", env={"KVTIER_API_TOKEN": "t0ken"})
+    assert doc["services"]["kvtier-demo"]["environment"]["KVTIER_API_TOKEN"] == "t0ken"
+    for name, svc in kvtier_services().items():  # published on loopback only
+        assert all(str(p).startswith("127.0.0.1:") for p in svc.get("ports", [])), name
+
+
+def test_dockerfile_runs_as_a_number_with_state_and_tmp_volumes() -> None:
+    text = (REPO / "Dockerfile").read_text()
+    (user,) = re.findall(r"^USER (\S+)$", text, re.M)
+    uid, _, gid = user.partition(":")
+    assert uid.isdigit() and int(uid) > 0 and (not gid or gid.isdigit()), user  # runAsNonRoot checks a number
+    (vol,) = re.findall(r"^VOLUME (.*)$", text, re.M)
+    assert set(json.loads(vol)) == {"/var/lib/kvtier", "/tmp"}
+    health = re.search(r"^HEALTHCHECK .*?CMD (.*)$", text.replace("\\\n", " "), re.M | re.S)
+    assert health and "HEALTHCHECK_PORT" in health.group(1) and ":8787/" not in health.group(1)
