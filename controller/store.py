@@ -158,6 +158,11 @@ class StateStore:
             self._error("row", f"kv {key!r} unreadable, ignored: {exc}")
             return None
 
+    def delete_key(self, key: str) -> bool:
+        """Drop ``key``; True when it was there."""
+        with self._lock, self._db:
+            return self._db.execute("DELETE FROM kv WHERE key = ?", (key,)).rowcount > 0
+
     # -- pins ----------------------------------------------------------------------------------------------
     def save_pin(self, pin: Pin) -> None:
         self._write(
