@@ -221,15 +221,29 @@ class Stack:
 
     def flood_l1(self, min_evicted: int = 100, max_prompts: int = 80) -> tuple[int, float]:
         """Distinct prompts until LMCache's L1 evicted ``min_evicted`` chunks (more than its whole capacity);
-        returns (prompts sent, chunks evicted)."""
-        ev0 = scrape_sum(self.mp.url, "lmcache_mp_l1_evicted_chunks_total")
-        sent = 0
-        while scrape_sum(self.mp.url, "lmcache_mp_l1_evicted_chunks_total") - ev0 < min_evicted:
-            assert sent < max_prompts, f"no L1 pressure after {sent} prompts"
+        returns (prompts sent, chunks evicted). LMCache evicts in a periodic loop (about once a second), not
+        on write, so each prompt waits for the next loop tick: a fast host would otherwise send every prompt
+        before the first eviction (the L1 then refuses the writes instead)."""
+
+        def evicted() -> float:
+            return scrape_sum(self.mp.url, "lmcache_mp_l1_evicted_chunks_total")
+
+        def ticks() -> float:
+            return scrape_sum(self.mp.url, "lmcache_mp_l1_eviction_loop_ticks_total")
+
+        ev0, sent = evicted(), 0
+        while evicted() - ev0 < min_evicted:
+            assert sent < max_prompts, f"no L1 pressure after {sent} prompts: {evicted() - ev0} evicted"
+            t0 = ticks()
             self.filler += 1
             self.complete(text(self.filler, 150))
             sent += 1
-        return sent, scrape_sum(self.mp.url, "lmcache_mp_l1_evicted_chunks_total") - ev0
+
+            def ticked(before: float = t0) -> bool:
+                return ticks() > before
+
+            until(ticked, "an L1 eviction-loop tick", 30, interval_s=0.1)
+        return sent, evicted() - ev0
 
     def ask(self, tag: str, prompt: str) -> dict[str, float]:
         """Reset vLLM's GPU cache, send ``prompt``, return the hit-token deltas by source."""

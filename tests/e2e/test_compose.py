@@ -34,6 +34,9 @@ PROFILES = {
 ALWAYS = {"prometheus", "grafana", "otel-collector"}
 
 
+pytestmark = pytest.mark.compose  # every test renders through the real compose client
+
+
 def compose_cmd() -> list[str]:
     if (
         shutil.which("docker")
