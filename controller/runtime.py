@@ -37,7 +37,7 @@ from kvtier.policies.tiers import Tier, normalize_tier
 
 log = logging.getLogger(__name__)
 
-ACTUATOR_NAMES = ("shadow", "vllm-warmup", "lmcache-mp", "mooncake", "lmcache-controller")
+ACTUATOR_NAMES = ("shadow", "vllm-warmup", "lmcache-mp", "mooncake", "lmcache-controller", "lmcache-l1")
 
 
 def make_actuator(
