@@ -212,11 +212,21 @@ class L1Keeper:
             return
         self._next_status = now + self.status_every_s
         st = self.act._status()  # noqa: SLF001 - same adapter, same breaker
-        l1s = ((st.get("storage_manager") or {}).get("l1_managers") or {}).values()
-        n = sum(int(m.get("total_object_count", 0)) for m in l1s if isinstance(m, dict))
-        if n > self._max_objects:
-            self._max_objects = n
-            self.core.set_capacity(n)
+        l1s = [
+            m
+            for m in ((st.get("storage_manager") or {}).get("l1_managers") or {}).values()
+            if isinstance(m, dict)
+        ]
+        n = sum(int(m.get("total_object_count", 0)) for m in l1s)
+        used = sum(float(m.get("memory_used_bytes", 0)) for m in l1s)
+        total = sum(float(m.get("memory_total_bytes", 0)) for m in l1s)
+        # capacity in chunks: what the layer has held at most, or its byte capacity over the bytes per chunk
+        # (our own drops keep the object count low, so the count alone would under-estimate it)
+        est = int(total / (used / n)) if n > 0 and used > 0 else 0
+        cap = max(self._max_objects, n, est)
+        if cap > 0 and cap != self.core.capacity:
+            self._max_objects = max(self._max_objects, n)
+            self.core.set_capacity(cap)
 
     def _handle(self, item: tuple[float, int, float, ObjectKey | tuple[int, ...]]) -> None:
         _, _, give_up, key = item
