@@ -23,6 +23,7 @@ import msgspec
 from kvtier.collectors.kv_ingest import KvIngestor
 from kvtier.collectors.vllm_events import decode_frames
 from kvtier.policies.index import BlockIndex
+from kvtier.policies.tiers import Tier
 
 
 def make_frames(
@@ -95,7 +96,7 @@ def run(frames: list[list[bytes]], repeat: int) -> dict[str, tuple[float, float]
         w, c = _timed(ingest)
         best["ingest"] = (min(best["ingest"][0], w), min(best["ingest"][1], c))
         assert sum(ing.counts["bench"].events.values()) > 0
-        idx = ing.index.count_by_tier()["gpu"]
+        idx = ing.index.count_by_tier()[Tier.GPU]
         assert idx == ing.blocks_tracked()["gpu"], (idx, ing.blocks_tracked())  # index agrees with residency
     return best
 

@@ -47,7 +47,7 @@ VARIANTS = (
 )
 
 
-def _requests(trace: str) -> tuple[list, str]:  # type: ignore[type-arg]
+def _requests(trace: str) -> tuple[list, str]:
     if trace == "multiturn":
         return multiturn_trace(6000, seed=1), "generated multi-turn (6000 requests, seed 1)"
     if trace == "shared-doc":
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n:<10}" + "".join(f"{v:>9.2f}" for v in blk[n]))
     print(f"\nnever worse than the best classic (-0.3 pt) at every capacity: {'yes' if ok_all else 'NO'}")
     if not a.no_cli and a.trace == "bundled":
-        cap = str(round(0.05 * distinct))
+        cap_arg = str(round(0.05 * distinct))
         wall, cpu = {}, {}
         for n in ("lru", "learned"):
             c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--policy",
                     n,
                     "--capacity-blocks",
-                    cap,
+                    cap_arg,
                     "--format",
                     "json",
                 ],
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
             cpu[n] = (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)
         print(
-            f"whole `kvtier replay bundled --capacity-blocks {cap}`: lru {wall['lru']:.2f} s, "
+            f"whole `kvtier replay bundled --capacity-blocks {cap_arg}`: lru {wall['lru']:.2f} s, "
             f"learned {wall['learned']:.2f} s, learned/lru = {wall['learned'] / wall['lru']:.2f}x "
             "(target <= 10x)"
         )

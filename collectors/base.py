@@ -109,11 +109,13 @@ class Collector(ABC, Generic[RawT, ObsT]):
     """
 
     kind: str = "collector"  # short type name for /v1/status, e.g. "vllm_metrics", "lmcache_mp"
+    down_log_interval_s: float = 300.0  # reminder period of the "peer down" warning, clock seconds
 
     def __init__(self, name: str, *, registry: CollectorRegistry, clock: Clock = time.time) -> None:
         self.name = name
         self.registry = registry
         self.clock = clock
+        self._down_logged_at: float | None = None
         self.metrics = CollectorMetrics.for_registry(registry)
         self.health = HealthState()
         self.latest: ObsT | None = None
@@ -149,11 +151,13 @@ class Collector(ABC, Generic[RawT, ObsT]):
         self._ok(now)
         return obs
 
-    def count_error(self, kind: str, detail: object = "", n: int = 1) -> None:
-        """Count ``n`` skipped bad inputs of one kind (e.g. malformed frames) with one log line, without
-        marking the collector down."""
+    def count_error(self, kind: str, detail: object = "", n: int = 1, *, quiet: bool = False) -> None:
+        """Count ``n`` skipped bad inputs of one kind (e.g. malformed frames) with one log line (none when
+        ``quiet``), without marking the collector down."""
         self.metrics.errors.labels(collector=self.name).inc(n)
         self.health.errors_by_kind[kind] = self.health.errors_by_kind.get(kind, 0) + n
+        if quiet:
+            return
         if n == 1:
             log.warning("%s: %s error: %s", self.name, kind, detail)
         else:
@@ -173,6 +177,9 @@ class Collector(ABC, Generic[RawT, ObsT]):
 
     # -- internals -----------------------------------------------------------------------------------------
     def _ok(self, now: float) -> None:
+        if self.health.consecutive_failures:
+            log.info("%s: back up after %d failed polls", self.name, self.health.consecutive_failures)
+        self._down_logged_at = None
         self.health.up = True
         self.health.last_success = now
         self.health.last_error = None
@@ -185,7 +192,17 @@ class Collector(ABC, Generic[RawT, ObsT]):
         self.health.consecutive_failures += 1
         self.health.last_error = f"{kind}: {type(exc).__name__}: {exc}"
         self.metrics.up.labels(collector=self.name).set(0)
-        self.count_error(kind, self.health.last_error)
+        self.count_error(kind, self.health.last_error, quiet=True)
+        # one warning when the peer goes down, then a reminder every down_log_interval_s (not every poll:
+        # an engine that is away for a day would write tens of thousands of identical lines)
+        now = self.clock()
+        last = self._down_logged_at
+        if last is None or now - last >= self.down_log_interval_s:
+            self._down_logged_at = now
+            log.warning(
+                "%s: down, %d failed polls so far (next reminder in %.0f s unless it recovers): %s",
+                self.name, self.health.consecutive_failures, self.down_log_interval_s, self.health.last_error,
+            )  # fmt: skip
 
 
 class HttpPeerCollector(Collector[RawT, ObsT]):

@@ -13,9 +13,53 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field
 
+from kvtier import __version__
 from kvtier.controller.sidecar import Sidecar
+
+
+class Health(BaseModel):
+    status: str = Field(description='"ok" while the process serves requests')
+
+
+class Readiness(BaseModel):
+    ready: bool = Field(description="the sidecar itself is ready (an engine configured, loops running)")
+    reasons: list[str] = Field(description="why it is not ready; empty when ready")
+    peers_up: bool = Field(description="every configured peer answered its last poll (does not gate ready)")
+    down: dict[str, str] = Field(description="collector -> last error, for the peers that are down")
+    collectors: dict[str, bool] = Field(description="collector -> up")
+
+
+def operation_id(route: APIRoute) -> str:
+    """The handler's name (``get_policy``, ``add_pin``) instead of FastAPI's path-derived id."""
+    return route.name
+
+
+def declare_bearer_auth(app: FastAPI) -> None:
+    """OpenAPI: the HTTP bearer scheme (``KVTIER_API_TOKEN``) on every mutating operation, so generated
+    clients and /docs' "Authorize" send it."""
+    base = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        spec = base()
+        schemes = spec.setdefault("components", {}).setdefault("securitySchemes", {})
+        schemes.setdefault(
+            "bearerAuth",
+            {"type": "http", "scheme": "bearer", "description": "KVTIER_API_TOKEN; mutations need it"},
+        )
+        for ops in spec.get("paths", {}).values():
+            for method, op in ops.items():
+                if method in ("post", "put", "patch", "delete"):
+                    op.setdefault("security", [{"bearerAuth": []}])
+        return spec
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def create_app(sidecar: Sidecar, *, manage_lifecycle: bool = True, title: str = "kvtier") -> FastAPI:
@@ -31,7 +75,10 @@ def create_app(sidecar: Sidecar, *, manage_lifecycle: bool = True, title: str = 
             if manage_lifecycle:
                 await sidecar.stop()
 
-    app = FastAPI(title=title, lifespan=lifespan)
+    app = FastAPIOffline(
+        title=title, version=__version__, lifespan=lifespan, generate_unique_id_function=operation_id
+    )
+    declare_bearer_auth(app)
     app.state.sidecar = sidecar
 
     @app.get("/metrics")
@@ -45,14 +92,15 @@ def create_app(sidecar: Sidecar, *, manage_lifecycle: bool = True, title: str = 
         out: dict[str, Any] = request.app.state.sidecar.status()
         return out
 
-    @app.get("/healthz")
+    @app.get("/healthz", response_model=Health)
     def healthz() -> dict[str, str]:
         """The sidecar process is alive (peers may be down; see /readyz)."""
         return {"status": "ok"}
 
-    @app.get("/readyz")
+    @app.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
     def readyz() -> JSONResponse:
-        """200 when every configured peer answered its last poll, else 503 listing what is down."""
+        """200 when the sidecar itself is ready (an engine configured, collector loops running), else 503
+        with the reasons; ``peers_up``/``down`` report the peers without gating readiness."""
         ready, detail = sidecar.readiness()
         return JSONResponse(detail, status_code=200 if ready else 503)
 

@@ -20,9 +20,20 @@ def shadow_replay(
 ) -> None:
     """Replay a trace through an emulated GPU cache; score every shadow decision counterfactually."""
     from kvtier.controller.shadow_replay import run_shadow_replay
-    from kvtier.replay.trace import bundled_trace_path, load_trace
+    from kvtier.policies.registry import is_available, known_policies
+    from kvtier.replay.trace import TraceError, bundled_trace_path, load_trace
+    from kvtier.usage import fail
 
-    reqs = load_trace(trace or bundled_trace_path(), max_requests=requests)
+    if policy != "none" and not is_available(policy):
+        fail(f"policy {policy!r} is not available; known: none, {', '.join(known_policies())}")
+    try:
+        reqs = load_trace(trace or bundled_trace_path(), max_requests=requests)
+    except TraceError as exc:
+        fail(f"malformed trace: {exc}")
+    except OSError as exc:
+        fail(f"cannot read trace '{trace}': {exc.strerror or exc}")
+    if not reqs:
+        fail(f"trace '{trace}' has no requests")
     out = run_shadow_replay(
         reqs, gpu_blocks=gpu_blocks, tick_s=tick_s, horizon_s=horizon_s,
         policy_name=None if policy == "none" else policy,

@@ -6,6 +6,8 @@ token store used by warm-ups; then it wakes the loop (events never carry state i
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,11 +19,12 @@ from kvtier.collectors.kv_ingest import KvIngestor
 from kvtier.collectors.vllm_events import BlockStored, DecodedBatch, block_key
 from kvtier.controller.api import status_extra
 from kvtier.controller.app import create_app
+from kvtier.controller.geometry import EngineGeometry, apply_geometry, fetch_geometry
 from kvtier.controller.l1_keeper import L1Keeper, keeper_hook
 from kvtier.controller.runtime import ControlPlane, build_control_plane, make_actuator
 from kvtier.controller.settings import Settings
 from kvtier.controller.sidecar import Sidecar
-from kvtier.controller.tracing import make_tracer, make_tracer_provider
+from kvtier.controller.tracing import instrument_app, instrument_http, make_tracer, make_tracer_provider
 from kvtier.policies.index import BlockIndex
 
 log = logging.getLogger(__name__)
@@ -70,7 +73,9 @@ class ControlIngestor(KvIngestor):
 class ControlledSidecar(Sidecar):
     """:class:`Sidecar` + :class:`ControlPlane`: ``/v1/status`` gains mode, actuator health, last tick."""
 
-    def __init__(self, settings: Settings, **kw: Any) -> None:
+    def __init__(self, settings: Settings, *, reset_state: bool = False, **kw: Any) -> None:
+        if reset_state:
+            reset_persisted_policy(settings.state_dir)
         ing = kw.pop("ingestor", None) or ControlIngestor(BlockIndex(max_blocks=settings.index_max_blocks))
         super().__init__(settings, ingestor=ing, **kw)
         engine_url = settings.engine_urls[0] if settings.engine_urls else None
@@ -95,6 +100,7 @@ class ControlledSidecar(Sidecar):
                                       if settings.lmcache_controller_urls else None,
                                       options=options, **extra))  # fmt: skip
         self.tracer_provider = make_tracer_provider()
+        instrument_http(self.tracer_provider)  # actuations' peer calls become child spans
         self.plane = build_control_plane(
             self.ingestor.index, registry=self.registry, state_dir=settings.state_dir, mode=settings.mode,
             actuators=acts, tracer=make_tracer(self.tracer_provider), clock=self.clock,
@@ -103,6 +109,17 @@ class ControlledSidecar(Sidecar):
             placement_tier=settings.policy_tier,
         )  # fmt: skip
         self.plane.http = None  # the sidecar owns the shared client
+        self.engine_url = engine_url
+        self.geometry: EngineGeometry | None = None
+        persisted = self.plane.store.get_json("policy") is not None
+        api = "api (persisted)"
+        mode_src = "settings" if settings.mode is not None else (api if persisted else "default")
+        self.policy_source = {
+            "mode": mode_src,
+            "policy": api if persisted else "default",
+            "state_dir": settings.state_dir,
+        }
+        self._geometry_task: asyncio.Task[None] | None = None
         if isinstance(self.ingestor, ControlIngestor):
             self.ingestor.plane = self.plane
         if "lmcache-l1" in settings.actuators:
@@ -113,10 +130,38 @@ class ControlledSidecar(Sidecar):
         await self.plane.start()
         if self.l1_keeper is not None:
             self.l1_keeper.start()
+        if self.engine_url and self.policy_source["policy"] == "default":
+            self._geometry_task = asyncio.create_task(self._discover_geometry(self.engine_url))
+
+    async def _discover_geometry(self, engine_url: str) -> None:
+        """Poll the engine's ``vllm:cache_config_info`` until it answers (as a native sidecar kvtier starts
+        before vLLM), then size the policy from it unless an API change came first."""
+        while True:
+            geo = await fetch_geometry(self.client, engine_url, self.settings.http_timeout_s)
+            if geo is not None:
+                break
+            await asyncio.sleep(self.settings.scrape_interval_s)
+        self.geometry = geo
+        if self.plane.store.get_json("policy") is not None:
+            log.info("engine geometry %s found, but a policy set through the API is in force", geo.to_dict())
+            return
+        loop = self.plane.loop
+        loop.set_policy(apply_geometry(loop._pending_policy or loop.policy, geo))
+        if loop.placement is not None:  # events carry their block size; this is the fallback
+            loop.placement.requests.block_size_tokens = geo.block_size_tokens
+        self.policy_source["policy"] = f"discovered (vllm:cache_config_info of {engine_url})"
+        log.info(
+            "policy sized from %s: GPU tier %d blocks of %d tokens (vllm:cache_config_info)",
+            engine_url, geo.num_gpu_blocks, geo.block_size_tokens,
+        )  # fmt: skip
 
     async def stop(self) -> None:
         if self.l1_keeper is not None:
             self.l1_keeper.stop()
+        if self._geometry_task is not None:
+            self._geometry_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._geometry_task
         await self.plane.stop()
         await super().stop()
         self.tracer_provider.shutdown()
@@ -126,7 +171,41 @@ class ControlledSidecar(Sidecar):
         out.update(status_extra(self.plane.ctx))
         if self.l1_keeper is not None:
             out["l1_keeper"] = self.l1_keeper.status()
+        out["policy_source"] = dict(self.policy_source)
+        out["engine_geometry"] = self.geometry.to_dict() if self.geometry is not None else None
         return out
+
+    def startup_summary(self) -> str:
+        """One line for the start-up log: what mode and policy are in force, and where they come from."""
+        doc = self.plane.loop._pending_policy or self.plane.loop.policy
+        gpu = next((t.capacity_blocks for t in doc.tiers if t.tier.value == "gpu"), None)
+        src = self.policy_source
+        line = (
+            f"mode {doc.mode} (from {src['mode']}); policy from {src['policy']}: GPU tier {gpu} blocks of "
+            f"{doc.block_size_tokens} tokens, placement {self.settings.policy}"
+        )
+        if src["policy"].startswith("api"):
+            line += (
+                f"; a runtime change made through the API is in force (persisted in {src['state_dir']});"
+                " kvtier serve --reset-state returns to the configured and discovered policy"
+            )
+        elif self.engine_url:
+            line += "; the GPU tier is sized from the engine's vllm:cache_config_info once it answers"
+        return line
+
+
+def reset_persisted_policy(state_dir: str) -> bool:
+    """``--reset-state``: forget the policy persisted by the API (pins and trained models are kept)."""
+    from kvtier.controller.store import StateStore
+
+    store = StateStore(state_dir)
+    try:
+        dropped = store.delete_key("policy")
+    finally:
+        store.close()
+    if dropped:
+        log.warning("--reset-state: dropped the policy persisted in %s", state_dir)
+    return dropped
 
 
 def build_keeper(sc: ControlledSidecar, settings: Settings, engine_url: str | None) -> L1Keeper:
@@ -172,4 +251,5 @@ def create_controlled_app(sidecar: ControlledSidecar, *, manage_lifecycle: bool 
     """Collectors' app (/metrics, /v1/status, /healthz, /readyz) + the policy API; OpenAPI at /docs."""
     app = create_app(sidecar, manage_lifecycle=manage_lifecycle)
     sidecar.plane.mount(app)
+    instrument_app(app, sidecar.tracer_provider)
     return app

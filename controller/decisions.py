@@ -98,6 +98,7 @@ class DecisionLog:
         ("freq0", np.int64),
         ("tokens", np.int64),
         ("act", np.int16),
+        ("tier", np.int16),  # destination tier, for the shadow counters' tier label
     )
 
     def __init__(self, max_len: int = 20_000, max_pending: int = 100_000) -> None:
@@ -136,6 +137,7 @@ class DecisionLog:
         p["freq0"][lo:hi] = [d.freq0 for d in ds]
         p["tokens"][lo:hi] = [d.tokens for d in ds]
         p["act"][lo:hi] = [self._codes.code(d.action) for d in ds]
+        p["tier"][lo:hi] = [self._codes.code(d.tier) for d in ds]
         self._hi = hi
         self._bound_pending()
 
@@ -154,21 +156,24 @@ class DecisionLog:
             )
 
     def _materialize(self, rows: npt.NDArray[np.int64]) -> list[Decision]:
-        """Pending rows as bare decisions with what scoring needs (id, time, block, action, freq0, tokens);
+        """Pending rows as bare decisions with what scoring needs (id, time, block, action, freq0, tokens)
+        and the destination tier its counters are labelled with;
         :meth:`mark_scored` writes their scores into the ring for those still shown there."""
         p, name = self._p, self._codes.name
         out: list[Decision] = []
-        for i, at, b, f0, tok, a in zip(
+        for i, at, b, f0, tok, a, t in zip(
             p["id"][rows].tolist(),
             p["at"][rows].tolist(),
             p["block"][rows].tolist(),
             p["freq0"][rows].tolist(),
             p["tokens"][rows].tolist(),
             p["act"][rows].tolist(),
+            p["tier"][rows].tolist(),
             strict=True,
         ):
             act = name(a) or ""
-            out.append(Decision(i, -1, at, act, b, None, None, 0.0, 0.0, False, "", tokens=tok, freq0=f0))
+            tier = name(t)
+            out.append(Decision(i, -1, at, act, b, None, tier, 0.0, 0.0, False, "", tokens=tok, freq0=f0))
         return out
 
     def new_id(self) -> int:

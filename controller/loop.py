@@ -950,9 +950,11 @@ class ReconcileLoop:
             score(d, int(idx.freq[s]) if ok else None, now, horizon)
         self.decisions.mark_scored(due)
         m = self.metrics
-        m.shadow_scored.inc(len(due))
+        for (action, tier), n in Counter((d.action, d.tier or "none") for d in due).items():
+            m.shadow_scored.labels(action=action, tier=tier).inc(n)
         hits = [d for d in due if d.came_back and d.score and d.score > 0]
-        m.shadow_hits.inc(len(hits))
+        for (action, tier), n in Counter((d.action, d.tier or "none") for d in hits).items():
+            m.shadow_hits.labels(action=action, tier=tier).inc(n)
         m.shadow_tokens.inc(sum(d.tokens for d in hits))
         m.shadow_regrets.inc(sum(1 for d in due if d.came_back and not (d.score and d.score > 0)))
 

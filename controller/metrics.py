@@ -20,6 +20,20 @@ TICK_OUTCOMES = ("ok", "timeout", "error", "overlap")
 ACT_OUTCOMES = ("applied", "failed", "skipped", "shadow")
 
 
+class LazyGauge:
+    """A label-less gauge registered on its first :meth:`set`, so the series is absent (not 0) until a
+    value exists."""
+
+    def __init__(self, name: str, documentation: str, *, registry: CollectorRegistry) -> None:
+        self.name, self.documentation, self.registry = name, documentation, registry
+        self._gauge: Gauge | None = None
+
+    def set(self, value: float) -> None:
+        if self._gauge is None:
+            self._gauge = Gauge(self.name, self.documentation, registry=self.registry)
+        self._gauge.set(value)
+
+
 class ControllerMetrics:
     def __init__(self, registry: CollectorRegistry, layers: Iterable[str] = ()) -> None:
         r = registry
@@ -68,19 +82,25 @@ class ControllerMetrics:
         self.moves_deferred = Counter(
             "kvtier_planner_moves_deferred", "Moves cut by a link budget.", ["action"], registry=r
         )
-        self.predictor_auc = Gauge(
+        # absent until the first fit: an AUC of 0 before any training would read as a broken model
+        self.predictor_auc = LazyGauge(
             "kvtier_predictor_auc", "Reuse predictor ROC AUC on held-out data.", registry=r
         )
-        self.predictor_samples = Gauge(
+        self.predictor_samples = LazyGauge(
             "kvtier_predictor_training_samples", "Predictor training set size.", registry=r
         )
         self.shadow_hits = Counter(
-            "kvtier_shadow_hits", "Upward decisions whose block came back (would-be hits).", registry=r
+            "kvtier_shadow_hits",
+            "Scored decisions whose move would have produced a hit.",
+            ["action", "tier"],
+            registry=r,
         )
         self.shadow_regrets = Counter(
             "kvtier_shadow_regrets", "Downward decisions whose block came back (would-be misses).", registry=r
         )
-        self.shadow_scored = Counter("kvtier_shadow_scored", "Decisions scored counterfactually.", registry=r)
+        self.shadow_scored = Counter(
+            "kvtier_shadow_scored", "Decisions scored counterfactually.", ["action", "tier"], registry=r
+        )
         self.shadow_unscored_dropped = Counter(
             "kvtier_shadow_unscored_dropped",
             "Decisions dropped unscored to keep the pending queue bounded.",
@@ -109,6 +129,8 @@ class ControllerMetrics:
             self.moves_deferred.labels(action=a)
             for t in TIER_LABELS:
                 self.decisions.labels(action=a, tier=t)
+                self.shadow_scored.labels(action=a, tier=t)
+                self.shadow_hits.labels(action=a, tier=t)
             for o in OUTCOMES:
                 self.decision_outcomes.labels(action=a, outcome=o)
         self.init_layers(layers)

@@ -226,6 +226,11 @@ class ModelManager:
                                                      "auc", "brier", "calibration")}  # fmt: skip
         if q.get("auc") is not None:
             self.loop.metrics.predictor_auc.set(float(q["auc"]))
+        out["auc_of"] = {
+            "auc": f"the live model ({pl.name} placement policy): ROC AUC of P(reuse), held-out accesses",
+            "fallback_auc": "the block-index model the policy falls back to, on the same accesses",
+            "fallback_model.auc": "the block-index model on its own held-out window",
+        }
         out.update(
             predictor=f"policy:{pl.name}",
             trained=bool(q.get("trained")),
@@ -258,4 +263,5 @@ class ModelManager:
         }
         if self._info:
             out["model"] = {k: v for k, v in self._info.items() if k != "calibration"}
+        out["auc_of"] = {"auc": "the block-index reuse model: ROC AUC of P(reuse) on its held-out window"}
         return out

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvtier.policies.planner import LinkBudget, PlannerConfig, TierSpec
-from kvtier.policies.tiers import Tier
+from kvtier.policies.tiers import Tier, TierHardware
 
 Mode = Literal["off", "shadow", "active"]
 LINK_PATTERN = r"^(gpu|cpu|disk|remote|none)->(gpu|cpu|disk|remote|none)$"
@@ -30,6 +30,13 @@ class TierConfig(_Strict):
     load_bandwidth_bytes_s: float = Field(
         default=1e10, gt=0, le=1e15, description="measured load bandwidth into the engine, bytes/s"
     )
+
+    @classmethod
+    def from_hardware(cls, hw: TierHardware, load_bandwidth_bytes_s: float | None = None) -> TierConfig:
+        """The planner's view of one tier of the tier model: its capacity and the bandwidth a load from it
+        into the engine gets (default: the tier's read bandwidth)."""
+        return cls(tier=hw.tier, capacity_blocks=hw.capacity_blocks,
+                   load_bandwidth_bytes_s=min(load_bandwidth_bytes_s or hw.read_bytes_s, 1e15))  # fmt: skip
 
     @model_validator(mode="after")
     def _marks(self) -> TierConfig:

@@ -17,9 +17,11 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 from opentelemetry.trace import Tracer
 from prometheus_client import CollectorRegistry
 
+from kvtier import __version__
 from kvtier.collectors.kv_requests import RequestInferrer
 from kvtier.controller.actuators.base import Actuator
 from kvtier.controller.api import ControlContext, add_control_routes, engine_tokenizer
@@ -37,7 +39,15 @@ from kvtier.policies.tiers import Tier, normalize_tier
 
 log = logging.getLogger(__name__)
 
-ACTUATOR_NAMES = ("shadow", "vllm-warmup", "lmcache-mp", "mooncake", "lmcache-controller", "lmcache-l1")
+ACTUATOR_NAMES = (
+    "shadow",
+    "vllm-warmup",
+    "lmcache-mp",
+    "mooncake",
+    "lmcache-controller",
+    "memory",
+    "lmcache-l1",
+)
 
 
 def make_actuator(
@@ -216,7 +226,12 @@ def create_control_app(plane: ControlPlane, registry: CollectorRegistry) -> Fast
     """A standalone app (policy API, /metrics, /v1/status); the sidecar mounts the same routes on its own."""
     from prometheus_client import make_asgi_app
 
-    app = FastAPI(title="kvtier control", version="0.1.0")
+    from kvtier.controller.app import declare_bearer_auth, operation_id
+
+    app = FastAPIOffline(
+        title="kvtier control", version=__version__, generate_unique_id_function=operation_id
+    )
+    declare_bearer_auth(app)
     plane.mount(app, with_status=True)
     app.mount("/metrics", make_asgi_app(registry=registry))
     return app

@@ -20,22 +20,33 @@ def serve(
         None, "--config", help="Config file (JSON or TOML); KVTIER_* env overrides it."
     ),
     mode: str = typer.Option(None, "--mode", help="off | shadow | active [persisted policy; shadow]."),
-    actuator: list[str] = typer.Option(None, "--actuator", help="shadow|vllm-warmup|lmcache-mp (repeat)."),
+    actuator: list[str] = typer.Option(
+        None,
+        "--actuator",
+        help="shadow | vllm-warmup | lmcache-mp | mooncake | lmcache-controller (repeatable) [none].",
+    ),
     state_dir: Path = typer.Option(None, "--state-dir", help="Policy/pins/model kept here [.kvtier-state]."),
     log_json: bool = typer.Option(None, "--log-json", help="JSON-lines logs."),
     policy: str = typer.Option(
         None, "--policy", help="Placement policy: a registry name (lru, s3fifo, ...) or none [learned]."
     ),
     policy_tier: str = typer.Option(None, "--policy-tier", help="Tier that policy places [cpu]."),
+    reset_state: bool = typer.Option(
+        False, "--reset-state", help="Forget the policy persisted by PATCH/PUT /v1/policy, then start."
+    ),
 ) -> None:
     """Watch vLLM (metrics + KV events), cache layers and storage; serve /metrics, /v1/status, /readyz;
     run the reconcile loop and the policy API (/v1/policy, /v1/pins, /v1/decisions, ...; OpenAPI at /docs)."""
+    import logging
+
     import uvicorn
 
+    from kvtier import __version__
     from kvtier.controller.control_sidecar import ControlledSidecar, create_controlled_app
     from kvtier.controller.logs import configure_logging
     from kvtier.controller.settings import load_settings
     from kvtier.controller.sidecar import PeerNotAvailable
+    from kvtier.usage import check_listen, describe, fail
 
     try:
         settings = load_settings(
@@ -47,10 +58,11 @@ def serve(
         )  # fmt: skip
         host, port = settings.listen_host_port
         configure_logging(settings.log_level, json_lines=settings.log_json)
-        sidecar = ControlledSidecar(settings)
+        sidecar = ControlledSidecar(settings, reset_state=reset_state)
     except (PeerNotAvailable, ValueError, OSError) as exc:
-        typer.echo(f"kvtier serve: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail(describe(exc))
+    check_listen(host, port)  # a busy port is one line now, not a traceback after start-up
+    logging.getLogger("kvtier.serve").info("kvtier %s: %s", __version__, sidecar.startup_summary())
     from kvtier.controller.status_page import install_status_page
 
     app = create_controlled_app(sidecar)
@@ -58,7 +70,8 @@ def serve(
     # the ~100k objects of the imported modules live forever: keep them out of the cyclic GC, whose full
     # collections would otherwise cost tens of ms each (a tick-latency spike when one lands in a tick)
     gc.freeze()
-    uvicorn.run(app, host=host, port=port, log_level=settings.log_level.lower())
+    # log_config=None: uvicorn keeps configure_logging's handler (JSON lines, quiet probe paths)
+    uvicorn.run(app, host=host, port=port, log_level=settings.log_level.lower(), log_config=None)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,7 +1,8 @@
 """Shadow mode over a replayed trace: the live loop's decisions scored against what the trace did next.
 
-The trace drives an emulated engine (a GPU prefix cache with LRU eviction, the vLLM default) whose residency
-feeds the real :class:`BlockIndex`; the real :class:`ReconcileLoop` ticks in ``shadow`` mode on the trace's
+The trace drives the simulator's cache layer (:class:`~kvtier.replay.sim.layer.CacheLayer`, HBM only: vLLM's
+LRU prefix cache) whose residency reports feed the real :class:`BlockIndex`; the real :class:`ReconcileLoop`
+ticks in ``shadow`` mode on the trace's
 clock, so every decision is recorded and later scored counterfactually (did the block come back within the
 horizon, i.e. would the move have produced a hit). Nothing is actuated.
 
@@ -13,7 +14,6 @@ layer would report them, so the level-based diff sees its own effect.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +25,9 @@ from kvtier.controller.policy_doc import PolicyDoc, TierConfig
 from kvtier.controller.runtime import make_placement
 from kvtier.policies.base import Request
 from kvtier.policies.index import BlockIndex
-from kvtier.policies.tiers import Tier
+from kvtier.policies.tiers import Tier, TierHardware
+from kvtier.replay.sim.layer import CacheLayer
+from kvtier.replay.sim.report import IndexReporter
 
 
 def run_shadow_replay(
@@ -68,7 +70,9 @@ def run_shadow_replay(
     )
     if policy_name:
         loop.placement = make_placement(loop, policy_name, Tier.CPU, lambda: now[0])
-    lru: OrderedDict[int, None] = OrderedDict()
+    # vLLM's prefix cache in the simulator (no offload); nbytes 0: the loop prices blocks by the document
+    layer = CacheLayer([TierHardware(Tier.GPU, gpu_blocks, 1e15, 1e15)], 0, offload=False,
+                       observer=IndexReporter(idx, 0))  # fmt: skip
     hits = misses = 0
     next_tick = now[0]
     for req in requests:
@@ -82,20 +86,11 @@ def run_shadow_replay(
             loop.placement.requests.submit(req)
             loop.placement.feed(None)  # as it arrives (off the tick's path), like the ingest hook
         ids = req.hash_ids.tolist()
-        idx.access_chain(ids, req.timestamp_ms)
-        parent: int | None = None
-        for h in ids:
-            if h in lru:
-                hits += 1
-                lru.move_to_end(h)
-            else:
-                misses += 1
-                lru[h] = None
-                idx.store(h, parent, Tier.GPU, t=req.timestamp_ms)
-                while len(lru) > gpu_blocks:
-                    old, _ = lru.popitem(last=False)
-                    idx.remove(old, Tier.GPU)
-            parent = h
+        layer.now = t
+        look = layer.lookup(ids, req.input_length, req.block_tokens)
+        layer.store(ids, look.hit_blocks)
+        hits += look.hit_blocks
+        misses += len(ids) - look.hit_blocks
     # stop deciding, and let every pending decision reach its horizon
     loop.set_policy(loop.policy.model_copy(update={"mode": "off"}))
     end = now[0] + horizon_s + tick_s

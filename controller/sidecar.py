@@ -26,6 +26,7 @@ from kvtier.collectors.kv_ingest import EVENT_TYPES, KvIngestor
 from kvtier.collectors.storage import StorageCollector
 from kvtier.collectors.vllm_kv_subscriber import KvEventSubscriber
 from kvtier.collectors.vllm_metrics import VllmMetricsCollector, VllmMetricsObservation
+from kvtier.controller.build_info import register_build_info
 from kvtier.controller.settings import Settings
 from kvtier.controller.tier_view import TierView, TierViewExporter, build_tier_view
 from kvtier.policies.index import BlockIndex
@@ -100,6 +101,7 @@ class Sidecar:
     ) -> None:
         self.settings = settings
         self.registry = registry if registry is not None else CollectorRegistry()
+        register_build_info(self.registry)
         self.client = client or httpx.AsyncClient(timeout=settings.http_timeout_s)
         self._owns_client = client is None
         self.clock = clock
@@ -111,6 +113,7 @@ class Sidecar:
         self.storage: StorageCollector | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.started_at: float | None = None
+        self.emulated_engine = False  # the demo drives the index from a trace: no engine URL needed
         kw: dict[str, Any] = {"client": self.client, "registry": self.registry, "clock": clock}
         for url in settings.engine_urls:
             eng = _engine_label(url)
@@ -235,10 +238,22 @@ class Sidecar:
         return build_tier_view(engines, layers)
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """(ready, detail): ready when every configured collector's last poll succeeded."""
+        """(ready, detail) about the sidecar itself: an engine is configured, the collector loops run.
+
+        A peer whose last poll failed does not make the sidecar unready: as a native sidecar its readiness
+        gates the whole vLLM pod, which must not leave its Service on an LMCache hiccup. ``peers_up`` and
+        ``down`` report the peers (the ``KvtierPeerDown`` alert watches them through /metrics)."""
         down = {c.name: c.health.last_error or "not polled yet" for c in self.collectors if not c.health.up}
-        return not down, {
-            "ready": not down,
+        reasons = []
+        if not self.settings.engine_urls and not self.emulated_engine:
+            reasons.append("no engine configured (--engine-url or KVTIER_ENGINE_URLS)")
+        if not self._tasks:
+            reasons.append("collector loops not started")
+        reasons += [f"collector loop {t.get_name()} ended" for t in self._tasks if t.done()]
+        return not reasons, {
+            "ready": not reasons,
+            "reasons": reasons,
+            "peers_up": not down,
             "down": down,
             "collectors": {c.name: c.health.up for c in self.collectors},
         }

@@ -47,6 +47,11 @@ class StateStore:
             row = self._db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
         return None if row is None else json.loads(row[0])
 
+    def delete_key(self, key: str) -> bool:
+        """Drop ``key``; True when it was there."""
+        with self._lock, self._db:
+            return self._db.execute("DELETE FROM kv WHERE key = ?", (key,)).rowcount > 0
+
     # -- pins ----------------------------------------------------------------------------------------------
     def save_pin(self, pin: Pin) -> None:
         with self._lock, self._db:

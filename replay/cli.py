@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 import typer
 
 from kvtier.cli import app
+from kvtier.usage import fail, require_module
 
 _LONG_RUN_REQUESTS = 20_000  # show a progress bar when this many request-replays are ahead
 
@@ -36,8 +37,7 @@ def _progress(total: int, label: str) -> Any:
 
 
 def _fail(msg: str) -> NoReturn:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(2)
+    fail(msg)
 
 
 def _load(trace: str, max_requests: int | None, block_tokens: int) -> Any:
@@ -201,6 +201,8 @@ def compare_cmd(
 
     if fmt not in ("json", "table"):
         _fail("--format must be json or table")
+    if plot is not None:  # before minutes of work, not after
+        require_module("matplotlib", "plot", "--plot")
     names = [p.strip() for p in policies.split(",") if p.strip()]
     for extra in ("lru", "belady"):  # the gap needs both ends
         if extra not in names:

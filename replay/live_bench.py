@@ -30,7 +30,7 @@ import math
 import shlex
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,7 +133,7 @@ def _mean(a: np.ndarray) -> float:
 
 
 def bootstrap_ci(
-    values: Sequence[float],
+    values: Sequence[float] | np.ndarray,
     stat: Callable[[np.ndarray], float] = _mean,
     *,
     n_boot: int = 2000,
@@ -154,8 +154,8 @@ def bootstrap_ci(
 
 
 def bootstrap_ratio_ci(
-    a: Sequence[float],
-    b: Sequence[float],
+    a: Sequence[float] | np.ndarray,
+    b: Sequence[float] | np.ndarray,
     stat: Callable[[np.ndarray], float] = _mean,
     *,
     n_boot: int = 2000,
@@ -213,7 +213,7 @@ def scrape_labelled(url: str, name: str, timeout_s: float = 10.0) -> dict[str, f
     return out
 
 
-def _d(after: dict[str, float], before: dict[str, float], *names: str) -> float:
+def _d(after: Mapping[str, float], before: Mapping[str, float], *names: str) -> float:
     for n in names:
         if n in after:
             return after[n] - before.get(n, 0.0)
@@ -221,7 +221,7 @@ def _d(after: dict[str, float], before: dict[str, float], *names: str) -> float:
 
 
 def counter_deltas(
-    eng0: dict[str, float], eng1: dict[str, float], lmc0: dict[str, float], lmc1: dict[str, float]
+    eng0: Mapping[str, float], eng1: Mapping[str, float], lmc0: Mapping[str, float], lmc1: Mapping[str, float]
 ) -> dict[str, float]:
     """Hit tokens by source over one run (see module doc), tokens."""
     prompt = _d(eng1, eng0, "vllm:prompt_tokens_total")

@@ -29,7 +29,12 @@ def resolve_tiers(spec: str) -> TierConfig:
     if not p.exists() and bundled_config(spec).exists():
         p = bundled_config(spec)
     if not p.exists():
-        raise FileNotFoundError(f"tier config {spec!r} not found (neither a file nor a bundled config name)")
+        from kvtier.replay.tiers import bundled_config_names
+
+        raise FileNotFoundError(
+            f"tier config {spec!r} not found (neither a file nor a bundled config name; bundled: "
+            f"{', '.join(bundled_config_names())})"
+        )
     return load_tier_config(p)
 
 

@@ -25,6 +25,7 @@ import numpy.typing as npt
 
 from kvtier.policies.base import HitMask, Policy, Request
 from kvtier.policies.registry import get_policy
+from kvtier.policies.tiers import TierHardware, normalize_tier
 
 GIB = 1 << 30
 
@@ -58,6 +59,18 @@ class TierSpec:
     capacity_fraction: float | None = None  # of the trace's distinct blocks
     capacity_gib: float | None = None
     policy: str | None = None  # default: tier 0's policy if it supports remove(), else lru
+
+    def hardware(self, distinct_blocks: int, block_bytes: int) -> TierHardware:
+        """This tier as the one tier model (:class:`~kvtier.policies.tiers.TierHardware`) the simulator and
+        the planner share. Tier 0 has no link: HBM speed stands in."""
+        hbm = self.read_gbps <= 0
+        return TierHardware(
+            normalize_tier(self.name),
+            self.blocks(distinct_blocks, block_bytes),
+            read_bytes_s=1e15 if hbm else self.read_gbps * 1e9,
+            write_bytes_s=1e15 if hbm else self.write_gbps * 1e9,
+            latency_s=self.latency_us * 1e-6,
+        )
 
     def blocks(self, distinct_blocks: int, block_bytes: int) -> int:
         if self.capacity_blocks is not None:
@@ -156,6 +169,14 @@ def load_tier_config(path: str | Path) -> TierConfig:
 
         data = json.loads(text)
     return parse_tier_config(data, source=str(p))
+
+
+def bundled_config_names() -> list[str]:
+    """Names of the configs shipped in ``kvtier/replay/configs`` (``llama3-8b``, ...), sorted."""
+    from importlib import resources
+
+    root = resources.files("kvtier.replay").joinpath("configs")
+    return sorted(p.name.removesuffix(".yaml") for p in root.iterdir() if p.name.endswith(".yaml"))
 
 
 def bundled_config(name: str) -> Path:

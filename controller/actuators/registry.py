@@ -1,6 +1,6 @@
 """Build cache-layer actuators by name (``kvtier serve --actuator NAME``): ``lmcache-mp``,
-``lmcache-controller``, ``mooncake``. ``vllm-warmup`` and ``shadow`` are registered by their own modules
-through :func:`register`."""
+``lmcache-controller``, ``mooncake``, ``memory`` (the simulator's layer). ``vllm-warmup`` and ``shadow`` are
+registered by their own modules through :func:`register`."""
 
 from __future__ import annotations
 
@@ -89,6 +89,14 @@ def _mooncake(
     return MooncakeActuator(store, HttpCaller(admin_url, timeout_s=timeout_s), bindings=mc)
 
 
+def _memory(**kw: Any) -> Actuator:
+    """The simulator's cache layer (``kvtier demo``): ``layer`` is a ``kvtier.replay.sim`` CacheLayer."""
+    from kvtier.replay.sim.actuator import build as build_memory
+
+    return build_memory(**kw)
+
+
 register("lmcache-mp", _lmcache_mp)
 register("lmcache-controller", _lmcache_controller)
 register("mooncake", _mooncake)
+register("memory", _memory)

@@ -193,7 +193,7 @@ def _serve_main(workdir: Path) -> dict[str, Any]:
             proc=serve,
             log=log,
         )
-        out["up_before_stop"] = httpx.get(sidecar + "/readyz", timeout=5).status_code == 200
+        out["up_before_stop"] = httpx.get(sidecar + "/readyz", timeout=5).json()["peers_up"]
         cl.stop()
         out.update(down_report(sidecar, name, "controller", serve, log))
     finally:

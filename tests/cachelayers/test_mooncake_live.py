@@ -182,7 +182,7 @@ def _serve_main(workdir: Path, kvtier_python: str) -> dict[str, Any]:
         layer = cache_layer(sidecar, name)
         out.update(name=name, kind=layer["kind"], url=layer["url"], master_url=cl.admin_url,
                    families=layer["latest"]["families"])  # fmt: skip
-        out["up_before_stop"] = httpx.get(sidecar + "/readyz", timeout=5).status_code == 200
+        out["up_before_stop"] = httpx.get(sidecar + "/readyz", timeout=5).json()["peers_up"]
         store.close()
         store = None
         cl.stop()

@@ -272,7 +272,7 @@ class Scenario:
             self.frames.append([TOPIC, self._stale(), self._not_a_batch(mutate)])
         else:
             ev = self._poison_stored()
-            p = rng.choice(
+            junk: object = rng.choice(
                 [
                     {"a": 1},
                     [1.0],
@@ -293,7 +293,7 @@ class Scenario:
                     [1.0, None, 0],
                 ]
             )
-            self.frames.append([TOPIC, self._stale(), enc.encode(p)])
+            self.frames.append([TOPIC, self._stale(), enc.encode(junk)])
 
 
 def build(seed: int) -> Scenario:
@@ -338,7 +338,9 @@ async def _run(sc: Scenario) -> tuple[KvEventSubscriber, float, dict[str, Any]]:
         replay_timeout_s=1.0,
     )
     sub._configure((KvSource(0, "tcp://127.0.0.1:0", None, TOPIC.decode()),))  # SUB binds a free port
-    addr = sub._states[0].sub.getsockopt(zmq.LAST_ENDPOINT).decode()
+    endpoint = sub._states[0].sub.getsockopt(zmq.LAST_ENDPOINT)
+    assert isinstance(endpoint, bytes)
+    addr = endpoint.decode()
     pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.SNDHWM, 0)
     pub.setsockopt(zmq.LINGER, 0)
@@ -394,4 +396,5 @@ def test_fuzzed_frames_counted_nothing_crashes_good_events_exact(caplog: pytest.
     idx = ing.flushed_index()  # keeps evicted blocks (with no tier) for their statistics
     assert len(idx) == sc.next_hash - 1 and not any(h in idx for h in range(POISON, sc.next_poison + 1))
     for h in range(1, sc.next_hash):
-        assert set(idx.get(h).tiers) == {t for t in Tier if h in sc.held[t]}, h
+        st = idx.get(h)
+        assert st is not None and set(st.tiers) == {t for t in Tier if h in sc.held[t]}, h

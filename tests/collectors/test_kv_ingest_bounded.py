@@ -13,7 +13,7 @@ import pytest
 
 import kvtier.policies.index_bulk as index_bulk
 from kvtier.collectors.kv_ingest import KvIngestor
-from kvtier.collectors.vllm_events import BlockRemoved, BlockStored
+from kvtier.collectors.vllm_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtier.policies.index import BlockIndex
 from kvtier.policies.tiers import Tier
 
@@ -26,7 +26,7 @@ def feed(ing: KvIngestor, n_batches: int, live_max: int, seed: int = 0) -> list[
     parent: int | None = None
     for i in range(n_batches):
         hs = [rng.getrandbits(64) for _ in range(8)]
-        evs: list[BlockStored | BlockRemoved] = [
+        evs: list[BlockStored | BlockRemoved | AllBlocksCleared] = [
             BlockStored(block_hashes=hs, parent_block_hash=parent, medium="GPU")
         ]
         live += hs

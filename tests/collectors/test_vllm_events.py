@@ -90,7 +90,8 @@ def test_refcount_across_engines_and_restart_clear() -> None:
     assert ing.blocks_tracked()["gpu"] == 3
     ing.apply_events("a", [BlockRemoved(block_hashes=[2], medium="GPU")], 1.0)
     # b still holds 2
-    assert ing.blocks_tracked()["gpu"] == 3 and Tier.GPU in ing.flushed_index().get(2).tiers
+    st = ing.flushed_index().get(2)
+    assert ing.blocks_tracked()["gpu"] == 3 and st is not None and Tier.GPU in st.tiers
     assert ing.clear_source("b") == 2
     assert ing.blocks_tracked()["gpu"] == 1
 

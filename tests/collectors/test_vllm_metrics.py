@@ -12,7 +12,7 @@ import asyncio
 import gc
 import math
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -28,7 +28,7 @@ RATE_FIELDS = ("prompt_tokens_per_s", "generation_tokens_per_s", "preemptions_pe
 BOUNDS = {"ttft": TTFT_LE, "itl": ITL_LE, "e2e": E2E_LE}
 
 
-def approx(x: float | None) -> object:
+def approx(x: float | Mapping[str, float] | None) -> object:
     return None if x is None else pytest.approx(x, rel=1e-12, abs=1e-15)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 # vLLM 0.32's bucket bounds (as served by the real CPU build)
 TTFT_LE = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -75,7 +76,7 @@ class EngineState:
         upd: dict[str, object] = {}
         for k, v in kw.items():
             if k in HIST:
-                upd[k] = getattr(self, k) + tuple(v)  # type: ignore[call-overload]
+                upd[k] = getattr(self, k) + tuple(cast(Iterable[float], v))
             elif k == "by_source":
                 upd[k] = {s: self.by_source.get(s, 0.0) + v.get(s, 0.0) for s in SOURCES}  # type: ignore[attr-defined]
             else:

@@ -19,6 +19,7 @@ mode, ``reset_external=false``), so every hit measured is an LMCache one. All wa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -32,17 +33,17 @@ from typing import Any
 import httpx
 import pytest
 
+from tests import figures
 from tests.cachelayers.promlines import scrape_sum
 from tests.peers import vllm as vllm_peer
 from tests.peers.lmcache import LMCacheMPServer
-from tests.peers.procs import free_port
+from tests.peers.procs import free_port, wait_started
 
 pytestmark = [pytest.mark.lmcache, pytest.mark.vllm]
 TOKEN = "mp-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 CHUNK = 64
 WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta", "iota", "kappa", "lam", "mu"]
-FIGURES: list[dict[str, Any]] = []
 
 
 def text(seed: int, n: int) -> str:
@@ -135,7 +136,12 @@ class Stack:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)  # fmt: skip
-        until(lambda: self.alive() and self.get("/readyz").status_code == 200, "kvtier serve ready", 90)
+
+        def ready() -> bool:
+            r = self.get("/readyz")
+            return r.status_code == 200 and bool(r.json()["peers_up"])
+
+        wait_started(ready, "kvtier serve", proc=self.proc, log=self.log, stall_s=90)
         r = self.patch_policy({
             "tick_interval_s": 0.3, "pin_retry_s": 0.5, "hysteresis_s": 0.5,
             "tiers": tiers(100_000),
@@ -213,6 +219,32 @@ class Stack:
                 "ext": scrape_sum(self.vllm.url, "vllm:external_prefix_cache_hits_total"),
                 "gpu": scrape_sum(self.vllm.url, "vllm:prefix_cache_hits_total")}  # fmt: skip
 
+    def flood_l1(self, min_evicted: int = 100, max_prompts: int = 80) -> tuple[int, float]:
+        """Distinct prompts until LMCache's L1 evicted ``min_evicted`` chunks (more than its whole capacity);
+        returns (prompts sent, chunks evicted). LMCache evicts in a periodic loop (about once a second), not
+        on write, so each prompt waits for the next loop tick: a fast host would otherwise send every prompt
+        before the first eviction (the L1 then refuses the writes instead)."""
+
+        def evicted() -> float:
+            return scrape_sum(self.mp.url, "lmcache_mp_l1_evicted_chunks_total")
+
+        def ticks() -> float:
+            return scrape_sum(self.mp.url, "lmcache_mp_l1_eviction_loop_ticks_total")
+
+        ev0, sent = evicted(), 0
+        while evicted() - ev0 < min_evicted:
+            assert sent < max_prompts, f"no L1 pressure after {sent} prompts: {evicted() - ev0} evicted"
+            t0 = ticks()
+            self.filler += 1
+            self.complete(text(self.filler, 150))
+            sent += 1
+
+            def ticked(before: float = t0) -> bool:
+                return ticks() > before
+
+            until(ticked, "an L1 eviction-loop tick", 30, interval_s=0.1)
+        return sent, evicted() - ev0
+
     def ask(self, tag: str, prompt: str) -> dict[str, float]:
         """Reset vLLM's GPU cache, send ``prompt``, return the hit-token deltas by source."""
         self.reset_gpu()
@@ -220,7 +252,7 @@ class Stack:
         self.complete(prompt)
         c1 = self.counters()
         d = {k: c1[k] - c0[k] for k in c0}
-        FIGURES.append({"request": tag, **d})
+        figures.record("LMCACHE_MP_SERVE", {"request": tag, **d})
         return d
 
 
@@ -235,55 +267,62 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 P = text(301, 80)  # pinned
 Q = text(302, 80)  # unpinned, stored at the same time
-P_HASHES: list[str] = []  # P's block hashes (from the pin)
+M = text(304, 80)  # moved by the loop
+R = text(305, 80)  # pinned across the outage
 
 
 def chunk_tokens(stack: Stack, prompt: str) -> int:
     return len(stack.tokens(prompt)) // CHUNK * CHUNK
 
 
-def test_pin_to_cpu_keeps_the_prefix_in_l1_under_pressure(stack: Stack) -> None:
-    n_p, n_q = chunk_tokens(stack, P), chunk_tokens(stack, Q)
-    assert n_p >= 4 * CHUNK and n_q >= 4 * CHUNK
-    stack.complete(P)
-    stack.complete(Q)
-    r = httpx.post(stack.url + "/v1/pins", json={"prompt": P, "tier": "cpu"}, headers=AUTH, timeout=30)
+@contextlib.contextmanager
+def pinned(stack: Stack, prompt: str) -> Iterator[tuple[set[str], list[dict[str, Any]]]]:
+    """Pin ``prompt`` to cpu (after sending it once, so vLLM's KV events put its blocks in the index); yields
+    (its block hashes, its pin decisions once every block has one). Unpins on exit and waits for the unpin, so
+    the next test starts without this pin."""
+    stack.complete(prompt)
+    r = httpx.post(stack.url + "/v1/pins", json={"prompt": prompt, "tier": "cpu"}, headers=AUTH, timeout=30)
     assert r.status_code == 201, r.text
     pin = r.json()
     hashes = set(pin["block_hashes"])
-    P_HASHES[:] = sorted(hashes)
 
-    def pinned() -> list[dict[str, Any]]:
+    def decided() -> list[dict[str, Any]]:
         ds = stack.decisions(action="pin")
         return [d for d in ds if d["block_hash"] in hashes and d["outcome"] in ("applied", "skipped")]
 
-    # the pin reaches the layer once vLLM's KV events put P's blocks in the index
-    got = until(lambda: len({d["block_hash"] for d in pinned()}) == len(hashes) and pinned(), "pin decisions")
-    applied = [d for d in got if d["outcome"] == "applied"]
-    # block 0 (32 tokens) is shorter than one LMCache chunk: nothing to hold, hence skipped
-    assert {d["layer"] for d in got} == {"lmcache-mp"} and len(applied) == len(hashes) - 1, got
-    assert stack.acts("pin", "applied") >= len(applied)
-    refresh0 = stack.acts("pin_refresh", "applied")
+    try:
+        got = until(
+            lambda: len({d["block_hash"] for d in decided()}) == len(hashes) and decided(), "pin decisions"
+        )
+        yield hashes, got
+    finally:
+        unpins = stack.acts("unpin", "applied")
+        r = httpx.delete(stack.url + f"/v1/pins/{pin['id']}", headers=AUTH, timeout=15)
+        assert r.status_code == 204, r.text
+        until(lambda: stack.acts("unpin", "applied") > unpins, "unpin applied")
 
-    # pressure: distinct prompts until LMCache's L1 evicted more than its whole capacity
-    ev0 = scrape_sum(stack.mp.url, "lmcache_mp_l1_evicted_chunks_total")
-    sent = 0
-    while scrape_sum(stack.mp.url, "lmcache_mp_l1_evicted_chunks_total") - ev0 < 100 and sent < 80:
-        stack.filler += 1
-        stack.complete(text(stack.filler, 150))
-        sent += 1
-    evicted = scrape_sum(stack.mp.url, "lmcache_mp_l1_evicted_chunks_total") - ev0
-    assert evicted >= 100, f"no L1 pressure after {sent} prompts: {evicted} chunks evicted"
-    # the loop kept re-asserting the pin meanwhile (refresh_pins every tick)
-    until(lambda: stack.metric("kvtier_actuations_total", layer="lmcache-mp", action="pin_refresh",
-                               outcome="applied") > refresh0 + 2, "pin refreshes")  # fmt: skip
-    # one more tick after the flood so the last evictions are repaired too
-    t = stack.status()["controller"]["tick"]
-    until(lambda: stack.status()["controller"]["tick"] >= t + 2, "two more ticks")
 
-    dp = stack.ask("P pinned to cpu, after the L1 flood", P)
-    dq = stack.ask("Q unpinned, stored with P, after the flood", Q)
-    FIGURES.append({"flood_prompts": sent, "l1_evicted_chunks": evicted})
+def test_pin_to_cpu_keeps_the_prefix_in_l1_under_pressure(stack: Stack) -> None:
+    n_p, n_q = chunk_tokens(stack, P), chunk_tokens(stack, Q)
+    assert n_p >= 4 * CHUNK and n_q >= 4 * CHUNK
+    stack.complete(Q)
+    with pinned(stack, P) as (hashes, got):
+        applied = [d for d in got if d["outcome"] == "applied"]
+        # block 0 (32 tokens) is shorter than one LMCache chunk: nothing to hold, hence skipped
+        assert {d["layer"] for d in got} == {"lmcache-mp"} and len(applied) == len(hashes) - 1, got
+        assert stack.acts("pin", "applied") >= len(applied)
+        refresh0 = stack.acts("pin_refresh", "applied")
+
+        sent, evicted = stack.flood_l1()
+        # the loop kept re-asserting the pin meanwhile (refresh_pins every tick)
+        until(lambda: stack.acts("pin_refresh", "applied") > refresh0 + 2, "pin refreshes")
+        # one more tick after the flood so the last evictions are repaired too
+        t = stack.status()["controller"]["tick"]
+        until(lambda: stack.status()["controller"]["tick"] >= t + 2, "two more ticks")
+
+        dp = stack.ask("P pinned to cpu, after the L1 flood", P)
+        dq = stack.ask("Q unpinned, stored with P, after the flood", Q)
+    figures.record("LMCACHE_MP_SERVE", {"flood_prompts": sent, "l1_evicted_chunks": evicted})
     assert dp["l1"] == n_p and dp["l2"] == 0 and dp["ext"] == n_p, dp
     assert dq["l1"] == 0 and dq["l2"] == n_q and dq["ext"] == n_q, dq
 
@@ -298,16 +337,14 @@ def _last_id(stack: Stack) -> int:
 
 
 def test_loops_own_moves_change_where_the_next_hit_comes_from(stack: Stack) -> None:
-    n_p = chunk_tokens(stack, P)
-    pin_id = stack.get("/v1/pins").json()["pins"][0]["id"]
-    r = httpx.delete(stack.url + f"/v1/pins/{pin_id}", headers=AUTH, timeout=15)
-    assert r.status_code == 204
-    unpin = "kvtier_actuations_total"
-    until(lambda: stack.metric(unpin, layer="lmcache-mp", action="unpin", outcome="applied") >= 1, "unpin")
+    n_m = chunk_tokens(stack, M)
+    # the loop puts M's chunks in cpu itself (a pin), then lets go: they are the loop's to move
+    with pinned(stack, M) as (m_hashes, _):
+        pass
 
     def act(action: str, cpu_capacity: int) -> list[dict[str, Any]]:
         since = _last_id(stack)
-        before = stack.metric("kvtier_actuations_total", layer="lmcache-mp", action=action, outcome="applied")
+        before = stack.acts(action, "applied")
         if action == "promote":
             # a block vLLM holds in GPU is not promoted into cpu: empty vLLM's cache, wait for the index
             # (vLLM publishes the AllBlocksCleared event with its next engine step: a 2-token request)
@@ -315,7 +352,7 @@ def test_loops_own_moves_change_where_the_next_hit_comes_from(stack: Stack) -> N
             stack.complete("hello")
 
             def in_gpu() -> bool:
-                tiers = [stack.get(f"/v1/blocks/{h}").json().get("tiers") or [] for h in P_HASHES]
+                tiers = [stack.get(f"/v1/blocks/{h}").json().get("tiers") or [] for h in m_hashes]
                 return any("gpu" in t for t in tiers)
 
             until(lambda: not in_gpu(), "AllBlocksCleared in the index")
@@ -333,36 +370,42 @@ def test_loops_own_moves_change_where_the_next_hit_comes_from(stack: Stack) -> N
         until(lambda: stack.status()["controller"]["tick"] >= t + 2, "the move's tick to finish")
         mine = _moves(stack, action, since)
         assert mine and {d["outcome"] for d in mine} <= {"applied", "skipped"}, mine
-        after = stack.metric("kvtier_actuations_total", layer="lmcache-mp", action=action, outcome="applied")
-        assert after - before == sum(1 for d in mine if d["outcome"] == "applied")
-        FIGURES.append({"loop_move": action, "applied": len([d for d in mine if d["outcome"] == "applied"]),
-                        "skipped": len([d for d in mine if d["outcome"] == "skipped"])})  # fmt: skip
+        n_applied = sum(1 for d in mine if d["outcome"] == "applied")
+        assert stack.acts(action, "applied") - before == n_applied
+        figures.record("LMCACHE_MP_SERVE", {"loop_move": action, "applied": n_applied,
+                                            "skipped": len(mine) - n_applied})  # fmt: skip
         return got
 
-    # cpu capacity 0: the loop sheds P's L1 chunks (it put them there) to disk: verified L2 copy, then free
-    demoted = act("demote", 0)
-    assert {d["tier"] for d in demoted} == {"disk"} and {d["src"] for d in demoted} == {"cpu"}
-    d = stack.ask("P after the loop's demote", P)
-    assert d["l2"] == n_p and d["l1"] == 0 and d["ext"] == n_p, d
+    try:
+        # cpu capacity 0: the loop sheds M's L1 chunks (it put them there) to disk, L2 copy verified first
+        demoted = act("demote", 0)
+        assert {d["tier"] for d in demoted} == {"disk"} and {d["src"] for d in demoted} == {"cpu"}
+        d = stack.ask("M after the loop's demote", M)
+        assert d["l2"] == n_m and d["l1"] == 0 and d["ext"] == n_m, d
 
-    # room in cpu again: P's blocks (recently used, now on disk) are promoted back (L2 -> L1 prefetch)
-    promoted = act("promote", 100_000)
-    assert {d["tier"] for d in promoted} == {"cpu"} and {d["src"] for d in promoted} == {"disk"}
-    d = stack.ask("P after the loop's promote", P)
-    assert d["l1"] == n_p and d["l2"] == 0 and d["ext"] == n_p, d
+        # room in cpu again: M's blocks (recently used, now on disk) are promoted back (L2 -> L1 prefetch)
+        promoted = act("promote", 100_000)
+        assert {d["tier"] for d in promoted} == {"cpu"} and {d["src"] for d in promoted} == {"disk"}
+        d = stack.ask("M after the loop's promote", M)
+        assert d["l1"] == n_m and d["l2"] == 0 and d["ext"] == n_m, d
 
-    # cpu capacity 0 again: now a disk copy is known, so the loop evicts the L1 copy instead of demoting
-    evicted = act("evict", 0)
-    assert {d["src"] for d in evicted} == {"cpu"}
-    d = stack.ask("P after the loop's evict from cpu", P)
-    assert d["l2"] == n_p and d["l1"] == 0 and d["ext"] == n_p, d
-    assert stack.patch_policy({"tiers": tiers(100_000)}).status_code == 200
+        # cpu capacity 0 again: now a disk copy is known, so the loop evicts the L1 copy instead of demoting
+        evicted = act("evict", 0)
+        assert {d["src"] for d in evicted} == {"cpu"}
+        d = stack.ask("M after the loop's evict from cpu", M)
+        assert d["l2"] == n_m and d["l1"] == 0 and d["ext"] == n_m, d
+    finally:
+        assert stack.patch_policy({"tiers": tiers(100_000)}).status_code == 200
 
 
 def test_status_per_tier_view_matches_lmcache_and_vllm(stack: Stack) -> None:
-    r_prompt = text(303, 40)
+    # this test's own hits from every source: vLLM's GPU cache, LMCache L1, then LMCache L2 (after a flood)
+    r_prompt = text(303, 120)
     stack.complete(r_prompt)
     stack.complete(r_prompt)  # vLLM's own GPU prefix cache serves the second one
+    assert stack.ask("R from LMCache L1", r_prompt)["l1"] > 0
+    stack.flood_l1()
+    assert stack.ask("R from LMCache L2 after an L1 flood", r_prompt)["l2"] > 0
     own = stack.counters()
     assert own["gpu"] > 0 and own["l1"] > 0 and own["l2"] > 0, own
     # every external hit came from LMCache's L1 or L2; LMCache's lookup also counts the prefix vLLM's GPU
@@ -385,7 +428,7 @@ def test_status_per_tier_view_matches_lmcache_and_vllm(stack: Stack) -> None:
         }
 
     got = until(view, "/v1/status per-tier hits equal to LMCache's and vLLM's counters", 30)
-    FIGURES.append({"v1_status_hit_tokens": got, "lmcache_and_vllm_own": own})
+    figures.record("LMCACHE_MP_SERVE", {"v1_status_hit_tokens": got, "lmcache_and_vllm_own": own})
 
     # the same view as kvtier's own /metrics families (and /v1/status "tier_view"): hits served per tier, the
     # lookups behind the per-tier hit ratio, and the chunks LMCache holds in L1
@@ -416,43 +459,44 @@ def test_status_per_tier_view_matches_lmcache_and_vllm(stack: Stack) -> None:
 
     got_m = until(exported, "kvtier_tier_* in /metrics equal to LMCache's and vLLM's counters", 30)
     assert got_m["cpu_used_bytes"] > 0
-    FIGURES.append({"metrics_tier_view": got_m})
+    figures.record("LMCACHE_MP_SERVE", {"metrics_tier_view": got_m})
 
 
 def test_lmcache_outage_opens_the_breaker_and_recovery_closes_it(stack: Stack) -> None:
-    r = httpx.post(stack.url + "/v1/pins", json={"prompt": P, "tier": "cpu"}, headers=AUTH, timeout=30)
-    assert r.status_code == 201, r.text
-    until(lambda: stack.metric("kvtier_actuations_total", layer="lmcache-mp", action="pin_refresh",
-                               outcome="applied") > 0, "refreshes of the new pin")  # fmt: skip
-    assert stack.metric("kvtier_actuator_up", layer="lmcache-mp") == 1.0
+    with pinned(stack, R):
+        refresh0 = stack.acts("pin_refresh", "applied")
+        until(lambda: stack.acts("pin_refresh", "applied") > refresh0, "refreshes of the new pin")
+        assert stack.metric("kvtier_actuator_up", layer="lmcache-mp") == 1.0
 
-    def breaker() -> str:
-        return str(stack.status()["controller"]["actuators"][0]["health"]["breaker"])
+        def breaker() -> str:
+            return str(stack.status()["controller"]["actuators"][0]["health"]["breaker"])
 
-    stack.mp.stop()  # LMCache dies mid-run
-    t0 = time.monotonic()
-    until(lambda: breaker() == "open", "breaker open", 60, interval_s=0.1)
-    opened_s = time.monotonic() - t0
-    until(lambda: stack.metric("kvtier_actuator_up", layer="lmcache-mp") == 0.0, "kvtier_actuator_up 0")
-    assert stack.get("/healthz").status_code == 200
-    ready = until(lambda: (r := stack.get("/readyz")).status_code == 503 and r.json(), "/readyz 503")
-    assert any(k.startswith("lmcache_mp:") for k in ready["down"]), ready
-    st = stack.status()
-    assert st["controller"]["last_tick"]["outcome"] == "ok"  # the loop keeps ticking
-    assert st["controller"]["actuators"][0]["health"]["last_error"], st["controller"]["actuators"]
-    failed = stack.acts("pin_refresh", "failed")
-    assert failed > 0
-
-    stack.mp.start()  # back on the same ports with the same L2 directory
-    t1 = time.monotonic()
-    until(lambda: breaker() == "closed", "breaker closed after the reset interval", 60, interval_s=0.1)
-    closed_s = time.monotonic() - t1
-    until(lambda: stack.metric("kvtier_actuator_up", layer="lmcache-mp") == 1.0, "kvtier_actuator_up 1")
-    until(lambda: stack.get("/readyz").status_code == 200, "/readyz 200 again")
-    FIGURES.append({"outage": {"breaker_open_after_s": round(opened_s, 2),
-                               "breaker_closed_after_restart_s": round(closed_s, 2),
-                               "pin_refresh_failed": failed}})  # fmt: skip
-
-
-def test_zz_print_figures() -> None:
-    print("\nLMCACHE_MP_SERVE_FIGURES " + json.dumps(FIGURES))
+        failed0 = stack.acts("pin_refresh", "failed")
+        stack.mp.stop()  # LMCache dies mid-run
+        try:
+            t0 = time.monotonic()
+            until(lambda: breaker() == "open", "breaker open", 60, interval_s=0.1)
+            opened_s = time.monotonic() - t0
+            until(
+                lambda: stack.metric("kvtier_actuator_up", layer="lmcache-mp") == 0.0, "kvtier_actuator_up 0"
+            )
+            assert stack.get("/healthz").status_code == 200
+            ready = until(lambda: (r := stack.get("/readyz")).json()["down"] and r.json(), "/readyz names it")
+            # a peer outage does not take the pod out of its Service
+            assert stack.get("/readyz").status_code == 200
+            assert any(k.startswith("lmcache_mp:") for k in ready["down"]), ready
+            st = stack.status()
+            assert st["controller"]["last_tick"]["outcome"] == "ok"  # the loop keeps ticking
+            assert st["controller"]["actuators"][0]["health"]["last_error"], st["controller"]["actuators"]
+            failed = stack.acts("pin_refresh", "failed") - failed0
+            assert failed > 0
+        finally:
+            stack.mp.start()  # back on the same ports with the same L2 directory
+        t1 = time.monotonic()
+        until(lambda: breaker() == "closed", "breaker closed after the reset interval", 60, interval_s=0.1)
+        closed_s = time.monotonic() - t1
+        until(lambda: stack.metric("kvtier_actuator_up", layer="lmcache-mp") == 1.0, "kvtier_actuator_up 1")
+        until(lambda: stack.get("/readyz").json()["peers_up"], "/readyz peers up again")
+    figures.record("LMCACHE_MP_SERVE", {"outage": {"breaker_open_after_s": round(opened_s, 2),
+                                                   "breaker_closed_after_restart_s": round(closed_s, 2),
+                                                   "pin_refresh_failed": failed}})  # fmt: skip

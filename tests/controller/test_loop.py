@@ -25,7 +25,7 @@ from kvtier.controller.actuators.base import (
 from kvtier.controller.loop import ReconcileLoop
 from kvtier.controller.metrics import ControllerMetrics
 from kvtier.controller.pins import Pin, PinSet
-from kvtier.controller.policy_doc import PolicyDoc, TierConfig
+from kvtier.controller.policy_doc import Mode, PolicyDoc, TierConfig
 from kvtier.controller.tracing import make_tracer, make_tracer_provider
 from kvtier.policies.index import BlockIndex
 from kvtier.policies.tiers import Tier
@@ -62,7 +62,7 @@ class Clock:
         return self.t
 
 
-def make(mode: str = "active", fail: bool = False):  # type: ignore[no-untyped-def]
+def make(mode: Mode = "active", fail: bool = False):  # type: ignore[no-untyped-def]
     reg = CollectorRegistry()
     exporter = InMemorySpanExporter()
     tracer = make_tracer(make_tracer_provider(exporter=exporter, simple=True))
@@ -144,7 +144,7 @@ def test_predictor_failure_falls_back_to_heuristic_and_counts() -> None:
         def info(self) -> dict[str, object]:
             return {}
 
-    loop.predictor = Broken()  # type: ignore[assignment]
+    loop.predictor = Broken()
     loop.fault.clear()
     rep = loop.tick()
     assert rep.outcome == "ok" and rep.predictor == "heuristic" and rep.decisions == 2
@@ -190,7 +190,7 @@ def test_predictor_run_ahead_on_a_worker_gives_the_same_ticks_and_its_failure_fa
     loop, idx, act, reg, _, clock = make()
     loop.predict_ahead_min_rows = 0
     fill_gpu(idx, clock)
-    loop.predictor = BrokenIndexOnly()  # type: ignore[assignment]
+    loop.predictor = BrokenIndexOnly()
     rep = loop.tick()
     assert threads and threads[0].startswith("kvtier-predict")
     assert rep.outcome == "ok" and rep.predictor == "heuristic" and rep.decisions == 2
@@ -279,7 +279,8 @@ def test_metrics_series_exist_at_zero_on_start() -> None:
         )
         == 0
     )
-    assert reg.get_sample_value("kvtier_shadow_hits_total") == 0
+    assert reg.get_sample_value("kvtier_shadow_hits_total", {"action": "admit", "tier": "remote"}) == 0
+    assert reg.get_sample_value("kvtier_shadow_scored_total", {"action": "demote", "tier": "cpu"}) == 0
     assert reg.get_sample_value("kvtier_loop_tick_seconds_count") == 0
 
 
@@ -297,6 +298,12 @@ def test_pins_and_shadow_scoring() -> None:
     rep = loop.decisions.report
     assert rep.scored == 2 and rep.regrets == 1 and rep.downward == 2
     assert reg.get_sample_value("kvtier_shadow_regrets_total") == 1
+    # scored per (action, destination tier) of the decisions, as the per-action dashboard panel reads them
+    labels = {(d.action, d.tier or "none") for d in loop.decisions.query() if d.score is not None}
+    scored = sum(
+        reg.get_sample_value("kvtier_shadow_scored_total", {"action": a, "tier": t}) or 0 for a, t in labels
+    )
+    assert scored == 2
 
 
 def test_a_pin_of_blocks_the_index_has_not_seen_is_decided_on_an_empty_index() -> None:
@@ -344,7 +351,7 @@ def test_run_counts_tick_timeouts_and_skips_overlapping_ticks() -> None:
         release.wait(timeout=30)
         return orig(action, blocks, to)
 
-    act._do = stuck  # type: ignore[method-assign]
+    act._do = stuck
     loop.set_policy(loop.policy.model_copy(update={"tick_timeout_s": 0.2, "tick_interval_s": 0.05}))
 
     def sample(outcome: str) -> float:
@@ -430,7 +437,7 @@ def test_outcomes_keyed_by_layer_keys_are_attributed_per_ref_and_routing_respect
     idx2.store(31, None, Tier.CPU, t=clock2.t * 1000)
     loop2.pins.add(Pin("g", Tier.GPU, [31, 32], clock2.t, token_ids=list(range(64)), block_size=32))
     rep2 = loop2.tick()  # prefetch cpu->gpu and admit of 32: neither can go to a cpu/disk layer
-    assert rep2.outcomes["shadow"] == 2 and loop2.actuators[0].calls == []  # type: ignore[attr-defined]
+    assert rep2.outcomes["shadow"] == 2 and loop2.actuators[0].calls == []
 
 
 def test_emulated_layer_pins_are_refreshed_each_active_tick_and_unpinned_when_the_pin_goes() -> None:
@@ -616,3 +623,14 @@ def test_the_pin_retry_window_starts_when_the_actuation_returned() -> None:
     assert loop.tick().decisions == 0 and len(act.calls) == 1
     clock.t = t0 + 4 + 5  # the window has passed since the call returned: the unmet pin is retried
     assert loop.tick().decisions == 2 and len(act.calls) == 2
+
+
+def test_predictor_figures_absent_until_the_first_fit() -> None:
+    """No ``kvtier_predictor_auc 0`` before any training: the series appears with its first value."""
+    reg = CollectorRegistry()
+    m = ControllerMetrics(reg)
+    assert reg.get_sample_value("kvtier_predictor_auc") is None
+    assert reg.get_sample_value("kvtier_predictor_training_samples") is None
+    m.predictor_auc.set(0.71)
+    m.predictor_auc.set(0.73)
+    assert reg.get_sample_value("kvtier_predictor_auc") == 0.73

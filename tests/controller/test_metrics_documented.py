@@ -1,5 +1,6 @@
 """Every ``kvtier_*`` metric family the ``kvtier serve`` sidecar registers is documented in
-``dashboards/METRICS.md`` (counters under their exposed ``_total`` name).
+``dashboards/METRICS.md`` (counters under their exposed ``_total`` name), with the label names it has and,
+where METRICS.md lists label values, exactly the values the sidecar creates up front.
 
 The sidecar is built with every collector kind configured (engine, LMCache, Mooncake, storage) and the
 learned placement policy; its peers' URLs point at a closed loopback port; nothing is polled."""
@@ -8,16 +9,20 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
 
 from kvtier.controller.control_sidecar import ControlledSidecar
 from kvtier.controller.settings import Settings
 
+CONFIGURED = {"layer"}  # label values that depend on what is configured (the actuators): a subset suffices
 METRICS_MD = Path(__file__).resolve().parents[2] / "dashboards" / "METRICS.md"
 
 
-def test_every_registered_family_is_documented(tmp_path: Path) -> None:
+def _sidecar(tmp_path: Path) -> ControlledSidecar:
     down = "http://127.0.0.1:9"
-    sc = ControlledSidecar(
+    return ControlledSidecar(
         Settings(
             engine_urls=[down],
             engine_model="tiny",
@@ -27,6 +32,10 @@ def test_every_registered_family_is_documented(tmp_path: Path) -> None:
             policy="learned",
         )  # fmt: skip
     )
+
+
+def test_every_registered_family_is_documented(tmp_path: Path) -> None:
+    sc = _sidecar(tmp_path)
     doc = METRICS_MD.read_text()
     exposed = set()
     for fam in sc.registry.collect():
@@ -35,3 +44,63 @@ def test_every_registered_family_is_documented(tmp_path: Path) -> None:
     assert len(exposed) >= 40  # every subsystem registered (collectors, storage, loop, shadow, policy)
     missing = sorted(n for n in exposed if not re.search(rf"`{re.escape(n)}`", doc))
     assert not missing, f"served but not in dashboards/METRICS.md: {missing}"
+
+
+def _parse_labels(text: str) -> dict[str, set[str] | None]:
+    """```a` (`x`, `y`), `b``` -> {"a": {"x", "y"}, "b": None}; a parenthesis without backticks is prose."""
+    out: dict[str, set[str] | None] = {}
+    for m in re.finditer(r"`(\w+)`\s*(\(([^()]*)\))?", text):
+        vals = re.findall(r"`([^`]+)`", m.group(3) or "")
+        out[m.group(1)] = set(vals) if vals else None
+    return out
+
+
+def documented_labels() -> dict[str, dict[str, set[str] | None]]:
+    """Metric -> documented labels (and values), from METRICS.md's tables and its "Also served" list."""
+    out = {}
+    for ln in METRICS_MD.read_text().splitlines():
+        m = re.match(r"^\| `(kvtier_\w+)` \| \w+ \| (.*?) \| ", ln) or re.match(
+            r"^- `(kvtier_\w+)` \(\w+; (.+?)\): ", ln
+        )
+        if m:
+            out[m.group(1)] = _parse_labels(m.group(2))
+    return out
+
+
+def registered_labels(
+    registry: CollectorRegistry,
+) -> tuple[dict[str, set[str]], dict[str, dict[str, set[str]]]]:
+    """(metric -> label names, metric -> label -> values created so far), under the exposed names."""
+    names: dict[str, set[str]] = {}
+    values: dict[str, dict[str, set[str]]] = {}
+    for col in set(registry._names_to_collectors.values()):  # noqa: SLF001 - label names of unset series
+        kind: Any = getattr(col, "_type", None)
+        if kind is not None and hasattr(col, "_labelnames"):
+            names[col._name + ("_total" if kind == "counter" else "")] = set(col._labelnames)  # type: ignore[attr-defined]
+    for fam in registry.collect():
+        name = fam.name + ("_total" if fam.type == "counter" else "")
+        for smp in fam.samples:
+            for k, v in smp.labels.items():
+                if k not in ("le", "quantile"):
+                    names.setdefault(name, set()).add(k)
+                    values.setdefault(name, {}).setdefault(k, set()).add(v)
+    return names, values
+
+
+def test_documented_labels_and_values_are_the_registered_ones(tmp_path: Path) -> None:
+    """A label METRICS.md promises but nothing emits (a per-action panel that collapses), or an emitted
+    value it does not list (a tick outcome), fails here."""
+    names, values = registered_labels(_sidecar(tmp_path).registry)
+    checked = 0
+    for metric, labels in documented_labels().items():
+        if metric not in names:
+            continue  # registered by the demo's emulated tiers or on first use (names: test above)
+        assert set(labels) == names[metric], (metric, sorted(labels), sorted(names[metric]))
+        for label, want in labels.items():
+            got = values.get(metric, {}).get(label)
+            if want is not None and got:
+                assert got <= want, (metric, label, "emitted, not documented:", sorted(got - want))
+                if label not in CONFIGURED:
+                    assert want <= got, (metric, label, "documented, never emitted:", sorted(want - got))
+                checked += 1
+    assert checked >= 8  # the controller's pre-created outcome/action/tier label sets are compared

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from kvtier.collectors.vllm_events import BlockStored, decode_frames
 from kvtier.controller.control_sidecar import ControlIngestor
-from kvtier.controller.policy_doc import BudgetLimits, PolicyDoc, TierConfig
+from kvtier.controller.policy_doc import BudgetLimits, PolicyDoc, PredictorSettings, TierConfig
 from kvtier.controller.runtime import ControlPlane, build_control_plane, create_control_app
 from kvtier.policies.base import Request
 from kvtier.policies.registry import get_policy
@@ -121,7 +121,7 @@ def live_plane(
         hysteresis_s=86400,  # shadow mode: moves stay assumed done for the whole run
         default_budget=BudgetLimits(bytes_per_s=1e15, ops_per_s=1e6, burst_s=1.0),
         block_size_tokens=BS,
-        predictor={"seed": seed},
+        predictor=PredictorSettings(seed=seed),
     )
     ing = ControlIngestor()
     reg = CollectorRegistry()
@@ -220,6 +220,7 @@ def test_live_learned_matches_replay_through_retrains_and_reports_quality(tmp_pa
         assert m[k] == q[k], k
     assert m["calibration"] == q["reliability"] and m["policy"]["requests_served"] == len(reqs)
     assert "fallback_model" in m
+    assert set(m["auc_of"]) == {"auc", "fallback_auc", "fallback_model.auc"}  # each AUC says what it is of
     metrics = c.get("/metrics/").text
     line = next(x for x in metrics.splitlines() if x.startswith("kvtier_predictor_auc "))
     assert abs(float(line.split()[1]) - q["auc"]) < 1e-9

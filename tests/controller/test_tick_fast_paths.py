@@ -214,7 +214,8 @@ def test_index_rejects_a_block_size_beyond_int32_before_changing_anything() -> N
         idx.store(5, None, 1, 1 << 31, 1.0)
     assert idx.get(5) is None and len(idx) == 0
     idx.store(5, None, 1, (1 << 31) - 1, 1.0)
-    assert idx.get(5).nbytes == (1 << 31) - 1
+    st = idx.get(5)
+    assert st is not None and st.nbytes == (1 << 31) - 1
 
 
 def test_observed_sizes_refresh_incrementally_and_equal_a_full_fill_after_every_kind_of_change() -> None:

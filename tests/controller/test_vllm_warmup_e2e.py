@@ -195,7 +195,7 @@ def test_serve_path_pin_warm_then_index_confirms_and_loop_goes_quiet(
 
     try:
         until(lambda: server.started, "control API up")
-        until(lambda: c.get("/readyz").status_code == 200, "collectors ready (KV events subscribed)")
+        until(lambda: c.get("/readyz").json()["peers_up"], "collectors ready (KV events subscribed)")
         assert "/v1/pins" in c.get("/openapi.json").json()["paths"] and c.get("/docs").status_code == 200
         rng = random.Random(99)
         prefix = " ".join(f"w{rng.randrange(10**6)}" for _ in range(50))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.peers.procs import free_port, start, stop, wait_for
+from tests.peers.procs import free_port, start, stop, wait_started
 
 
 @dataclass
@@ -35,8 +35,11 @@ class DemoProc:
 
 
 @contextlib.contextmanager
-def running_demo(*args: str, timeout_s: float = 120.0) -> Iterator[DemoProc]:
-    """Start ``python -m kvtier demo --listen 127.0.0.1:PORT ARGS``; wait for ``/healthz``; stop on exit."""
+def running_demo(
+    *args: str, timeout_s: float = 120.0, env: dict[str, str] | None = None
+) -> Iterator[DemoProc]:
+    """Start ``python -m kvtier demo --listen 127.0.0.1:PORT ARGS`` (``env`` added to the environment); wait
+    for ``/healthz``; stop on exit."""
     port = free_port()
     wd = Path(tempfile.mkdtemp(prefix="kvtier-demo-e2e-"))
     log = wd / "demo.log"
@@ -51,14 +54,14 @@ def running_demo(*args: str, timeout_s: float = 120.0) -> Iterator[DemoProc]:
         str(wd),
         *args,
     ]
-    proc: subprocess.Popen[bytes] = start(cmd, log)
+    proc: subprocess.Popen[bytes] = start(cmd, log, env=env)
     try:
-        wait_for(
+        wait_started(
             lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200,
-            timeout_s,
             "kvtier demo",
             proc=proc,
             log=log,
+            stall_s=timeout_s,
         )
         yield DemoProc(proc, port, log)
     finally:

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from tests.peers.procs import free_port, start, stop, tail, wait_for
+from tests.peers.procs import free_port, start, stop, tail, wait_for, wait_started
 
 
 class PrometheusMissing(RuntimeError):
@@ -91,12 +91,12 @@ class Prometheus:
             "--log.level=warn",
         ]
         self.proc = start(cmd, self.log, cwd=self.workdir)
-        wait_for(
+        wait_started(
             lambda: httpx.get(self.url + "/-/ready", timeout=2).status_code == 200,
-            timeout_s,
             "prometheus",
             proc=self.proc,
             log=self.log,
+            stall_s=timeout_s,
         )
         return self
 

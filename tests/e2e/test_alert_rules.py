@@ -62,4 +62,9 @@ def test_a_broken_rule_is_rejected(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yml"
     bad.write_text("groups:\n  - name: x\n    rules:\n      - alert: X\n        expr: sum(rate(up[5m])\n")
     r = promtool("check", "rules", bad)
-    assert r.returncode != 0
+    out = r.stdout + r.stderr
+    # rejected for the reason planted (not a crash or a missing file): the unclosed parenthesis of rule X
+    assert r.returncode == 1 and "FAILED" in out and '"X"' in out and "unclosed left parenthesis" in out, out
+    good = tmp_path / "good.yml"
+    good.write_text(bad.read_text().replace("sum(rate(up[5m])", "sum(rate(up[5m]))"))
+    assert promtool("check", "rules", good).returncode == 0  # the same file with the bug fixed passes

@@ -34,6 +34,9 @@ PROFILES = {
 ALWAYS = {"prometheus", "grafana", "otel-collector"}
 
 
+pytestmark = pytest.mark.compose  # every test renders through the real compose client
+
+
 def compose_cmd() -> list[str]:
     if (
         shutil.which("docker")
@@ -50,6 +53,7 @@ def run_config(
 ) -> subprocess.CompletedProcess[str]:
     """``compose -f docker-compose.yml [extra] config [-q]``."""
     full_env = dict(os.environ)
+    full_env.setdefault("KVTIER_API_TOKEN", "compose-test-token")  # the file requires one (0.0.0.0 bind)
     full_env.update(env or {})
     return subprocess.run(
         [
@@ -139,15 +143,24 @@ def test_mounted_and_built_files_exist() -> None:
 def test_a_broken_compose_file_is_rejected(tmp_path: Path) -> None:
     bad = tmp_path / "docker-compose.yml"
     bad.write_text("services:\n  x:\n    image: a\n    ports: {not: a list}\n")
-    r = subprocess.run(
-        [*compose_cmd(), "-f", str(bad), "config", "-q"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=60,
-        check=False,
-    )
-    assert r.returncode != 0
+
+    def config(f: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*compose_cmd(), "-f", str(f), "config", "-q"],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=60,
+            check=False,
+        )
+
+    r = config(bad)
+    # rejected for the reason planted (the mapping where a list belongs), not for a missing client or file
+    assert r.returncode != 0 and "ports" in r.stdout + r.stderr, r.stdout + r.stderr
+    good = tmp_path / "good.yml"
+    good.write_text(bad.read_text().replace("{not: a list}", '["8080:80"]'))
+    ok = config(good)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
 
 
 def kvtier_services() -> dict[str, dict[str, Any]]:
@@ -245,3 +258,26 @@ def test_demo_keeps_serving_after_the_trace() -> None:
     """The demo exits at the trace's end: compose starts it again (else KvtierSidecarDown, empty boards)."""
     for name, svc in kvtier_services().items():
         assert svc.get("restart") in ("always", "unless-stopped"), name
+
+
+def test_compose_refuses_to_start_kvtier_without_a_token() -> None:
+    """kvtier listens on 0.0.0.0 inside its container: compose names the missing token instead of starting."""
+    env = {k: v for k, v in os.environ.items() if k != "KVTIER_API_TOKEN"}
+    cmd = [*compose_cmd(), "-f", str(REPO / "docker-compose.yml"), "--profile", "demo", "config", "-q"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=120, check=False)
+    assert r.returncode != 0 and "KVTIER_API_TOKEN" in r.stderr, r.stderr
+    doc = rendered("--profile", "demo", env={"KVTIER_API_TOKEN": "t0ken"})
+    assert doc["services"]["kvtier-demo"]["environment"]["KVTIER_API_TOKEN"] == "t0ken"
+    for name, svc in kvtier_services().items():  # published on loopback only
+        assert all(str(p).startswith("127.0.0.1:") for p in svc.get("ports", [])), name
+
+
+def test_dockerfile_runs_as_a_number_with_state_and_tmp_volumes() -> None:
+    text = (REPO / "Dockerfile").read_text()
+    (user,) = re.findall(r"^USER (\S+)$", text, re.M)
+    uid, _, gid = user.partition(":")
+    assert uid.isdigit() and int(uid) > 0 and (not gid or gid.isdigit()), user  # runAsNonRoot checks a number
+    (vol,) = re.findall(r"^VOLUME (.*)$", text, re.M)
+    assert set(json.loads(vol)) == {"/var/lib/kvtier", "/tmp"}
+    health = re.search(r"^HEALTHCHECK .*?CMD (.*)$", text.replace("\\\n", " "), re.M | re.S)
+    assert health and "HEALTHCHECK_PORT" in health.group(1) and ":8787/" not in health.group(1)

@@ -8,7 +8,7 @@ Expressions that need a source not scraped yet are listed as NOT VALIDATED. The 
 the same Prometheus and must evaluate without error.
 
 The per-query listing (each query, its series count) is printed past pytest's capture, so CI's log shows it
-on success too, and written to ``out/dashboard-queries.txt``.
+on success too, and written to ``dashboard-queries.txt`` in the test's temporary directory.
 The scrape sources are :data:`SCRAPED`: job name -> fixture. Adding the sidecar is one line there.
 """
 
@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -36,7 +37,7 @@ from tests.e2e import prom as promlib
 from tests.e2e.demo_proc import running_demo
 from tests.peers import vllm as vllm_peer
 from tests.peers.lmcache import LMCacheMPServer
-from tests.peers.procs import free_port, start, stop, wait_for
+from tests.peers.procs import free_port, start, stop, wait_for, wait_started
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.vllm, pytest.mark.lmcache]
 
@@ -94,7 +95,6 @@ def stack() -> Iterator[Stack]:
             ],
             num_gpu_blocks=48,
             workdir=wd / "vllm",
-            timeout_s=900,
         )
         yield Stack(server, engine)
     finally:
@@ -142,12 +142,12 @@ def kvtier_target(stack: Stack) -> Iterator[list[str]]:
         },
     )
     try:
-        wait_for(
+        wait_started(
             lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200,
-            120,
             "kvtier serve",
             proc=proc,
             log=wd / "kvtier.log",
+            stall_s=120,
         )
         # slow enough to outlast the run (the trace spans 59 min; at 5x, 12 min), bounded anyway
         with running_demo("--speed", "5", "--duration", "1500") as demo:
@@ -307,9 +307,9 @@ def traffic(stack: Stack, prometheus: promlib.Prometheus) -> int:
     for name in LATE_COUNTERS:
         prometheus.wait_until(f"min(count_over_time({name}[2m]))", lambda v: v >= 2, timeout_s=120)
     # the read-latency panel needs device reads inside a storage window; a warm page cache may leave the
-    # machine without any, so make some (cold reads of a file on the repo's disk) until the sidecar saw them
-    scratch = REPO / "out" / "cold-read.bin"
-    scratch.parent.mkdir(exist_ok=True)
+    # machine without any, so make some (cold reads of a file on the watched tier path's disk, next to the L2
+    # directory, outside the repository) until the sidecar saw them
+    scratch = stack.lmcache.workdir / "cold-read.bin"
     try:
         wait_for(
             lambda: (
@@ -346,7 +346,7 @@ def cold_reads(path: Path, mib: int = 8) -> int:
 
 
 def test_every_dashboard_query_returns_data(
-    prometheus: promlib.Prometheus, traffic: int, capsys: pytest.CaptureFixture[str]
+    prometheus: promlib.Prometheus, traffic: int, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     scraped = set(SCRAPED)
     results = evaluate(prometheus, scraped, at=time.time())
@@ -369,11 +369,10 @@ def test_every_dashboard_query_returns_data(
         )
     report += [f"ERROR {r.query}: {r.error}\n  {r.expr}" for r in errors]
     report += [f"NO DATA {r.query}:\n  {r.expr}" for r in empty]
-    out = REPO / "out" / "dashboard-queries.txt"
-    out.parent.mkdir(exist_ok=True)
+    out = tmp_path / "dashboard-queries.txt"
     out.write_text("\n".join(report) + "\n")
     with capsys.disabled():  # in CI's log whether the test passes or not
-        print("\n" + "\n".join(report) + f"\n== written to {out.relative_to(REPO)} ==")
+        print("\n" + "\n".join(report) + f"\n== written to {out} ==")
     assert not errors, (
         f"{len(errors)} dashboard expressions rejected by Prometheus: {[str(r.query) for r in errors]}"
     )
@@ -392,7 +391,7 @@ def test_every_dashboard_query_returns_data(
 def test_alert_rules_evaluate_on_live_data(prometheus: promlib.Prometheus, traffic: int) -> None:
     assert RULES, "no rule files under deploy/prometheus/rules"
 
-    def evaluated() -> list[dict[str, object]] | None:
+    def evaluated() -> list[dict[str, Any]] | None:
         rules = prometheus.rules()
         return (
             rules
@@ -413,8 +412,12 @@ def test_alert_rules_evaluate_on_live_data(prometheus: promlib.Prometheus, traff
     )
     assert rec
     for name in rec:
+
+        def nonzero(n: str = name) -> list[dict[str, Any]]:
+            return [s for s in prometheus.query(n) if s["value"][1] not in ("NaN", "0")]
+
         series = wait_for(
-            lambda n=name: [s for s in prometheus.query(n) if s["value"][1] not in ("NaN", "0")],
+            nonzero,
             120,
             f"recording rule {name} has a non-zero, non-NaN series (the traffic of the first test)",
         )

@@ -38,7 +38,7 @@ def test_dashboards_lint_clean() -> None:
         assert d["schemaVersion"] >= 39
 
 
-def test_lint_catches_broken_dashboards() -> None:
+def test_lint_catches_broken_dashboards(tmp_path: Path) -> None:
     good = lint.load()
     name = "kvtier-overview.json"
     bad = copy.deepcopy(good)
@@ -52,13 +52,9 @@ def test_lint_catches_broken_dashboards() -> None:
     assert "panel id" in text and "'nope' is not provisioned" in text, text
     assert "undefined variable $nosuchvar" in text and "$model is not a datasource variable" in text, text
     with pytest.raises(ValueError, match="invalid JSON"):
-        tmp = REPO / "out" / "broken.json"
-        tmp.parent.mkdir(exist_ok=True)
+        tmp = tmp_path / "broken.json"
         tmp.write_text("{not json")
-        try:
-            lint.load([tmp])
-        finally:
-            tmp.unlink()
+        lint.load([tmp])
 
 
 def test_template_variables() -> None:

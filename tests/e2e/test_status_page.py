@@ -17,9 +17,6 @@ from tests.peers.procs import wait_for
 
 pytestmark = pytest.mark.browser
 
-REPO = Path(__file__).resolve().parents[2]
-OUT = REPO / "out" / "status_page.png"
-
 
 def _points(dom: str, chart: str) -> int:
     m = re.search(rf'<svg id="{chart}" data-points="(\d+)"', dom)
@@ -33,12 +30,12 @@ def _lines(dom: str, chart: str) -> list[str]:
     return re.findall(r'points="([^"]*)"', m.group(0))
 
 
-def test_status_page_charts_fill_and_change() -> None:
+def test_status_page_charts_fill_and_change(tmp_path: Path) -> None:
     with running_demo("--speed", "30", "--duration", "300") as demo:
 
         def used_samples(n: int) -> list[dict[str, object]] | None:
             s = demo.get("/v1/history").json()["samples"]
-            ok = [x for x in s if x["tiers"]["gpu"].get("used_bytes", 0) > 0]  # type: ignore[index]
+            ok = [x for x in s if x["tiers"]["gpu"].get("used_bytes", 0) > 0]
             return s if len(ok) >= n else None
 
         first = wait_for(lambda: used_samples(3), 90, "history with tier usage")
@@ -69,7 +66,8 @@ def test_status_page_charts_fill_and_change() -> None:
         ), "no recent decisions listed"
 
         wait_for(lambda: demo.get("/v1/model").json().get("auc") is not None, 120, "a trained predictor")
-        shot = screenshot(demo.url + "/", OUT, width=1400, height=1000, virtual_time_ms=5000)
+        png = tmp_path / "status_page.png"
+        shot = screenshot(demo.url + "/", png, width=1400, height=1000, virtual_time_ms=5000)
         print(f"status page screenshot: {shot}")
         assert png_size(shot) == (1400, 1000)
         assert shot.stat().st_size > 20_000  # charts and tables drawn, not a blank page

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from .procs import free_port, require_env, start, stop, wait_for
+from .procs import free_port, require_env, start, stop, wait_started
 
 HERE = Path(__file__).resolve().parent
 
@@ -46,7 +46,8 @@ class LMCacheMPServer:
     def log(self) -> Path:
         return self.workdir / "mp_server.log"
 
-    def start(self, timeout_s: float = 120.0) -> LMCacheMPServer:
+    def start(self, stall_s: float = 120.0) -> LMCacheMPServer:
+        """Start; wait for ``/healthcheck``, failing after ``stall_s`` s without progress (or the cap)."""
         py = require_env("KVTIER_LMCACHE_PYTHON")
         self.workdir.mkdir(parents=True, exist_ok=True)
         l1 = str(int(self.l1_gb)) if float(self.l1_gb).is_integer() else str(self.l1_gb)
@@ -79,12 +80,12 @@ class LMCacheMPServer:
             "2",
         ]
         self.proc = start(cmd, self.log)
-        wait_for(
+        wait_started(
             lambda: httpx.get(self.url + "/healthcheck", timeout=2).status_code == 200,
-            timeout_s,
             "LMCache MP server",
             proc=self.proc,
             log=self.log,
+            stall_s=stall_s,
         )
         return self
 
@@ -117,7 +118,7 @@ class FakeEngine:
     proc: subprocess.Popen[bytes] | None = None
     result: dict[str, object] = field(default_factory=dict)
 
-    def start(self, timeout_s: float = 120.0) -> FakeEngine:
+    def start(self, stall_s: float = 120.0) -> FakeEngine:
         py = require_env("KVTIER_LMCACHE_PYTHON")
         out = self.server.workdir / f"fake_engine_{self.seed}.out"
         out.unlink(missing_ok=True)
@@ -142,12 +143,12 @@ class FakeEngine:
             ],
             self.server.workdir / f"fake_engine_{self.seed}.log",
         )
-        self.result = wait_for(
+        self.result = wait_started(
             lambda: json.loads(out.read_text()) if out.exists() else None,
-            timeout_s,
             "fake LMCache engine",
             proc=self.proc,
             log=self.server.workdir / f"fake_engine_{self.seed}.log",
+            stall_s=stall_s,
         )
         return self
 
@@ -186,7 +187,7 @@ class VllmWithLMCache:
     def log(self) -> Path:
         return self.server.workdir / "vllm.log"
 
-    def start(self, timeout_s: float = 300.0) -> VllmWithLMCache:
+    def start(self, stall_s: float = 300.0) -> VllmWithLMCache:
         py = require_env("KVTIER_VLLM_PYTHON")
         kvt = {
             "kv_connector": "LMCacheMPConnector",
@@ -232,13 +233,12 @@ class VllmWithLMCache:
             "VLLM_CACHE_ROOT": str(self.server.workdir / "vllm-cache"),
         }
         self.proc = start(cmd, self.log, env=env)
-        wait_for(
+        wait_started(
             lambda: httpx.get(self.url + "/health", timeout=2).status_code == 200,
-            timeout_s,
             "vLLM + LMCacheMPConnector",
-            interval_s=0.5,
             proc=self.proc,
             log=self.log,
+            stall_s=stall_s,
         )
         return self
 

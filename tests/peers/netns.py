@@ -31,8 +31,11 @@ def run_in_netns(
     workdir.mkdir(parents=True, exist_ok=True)
     full = dict(os.environ)
     full.update(PEER_ENV)
-    # kvtier from this checkout + its deps (httpx, prometheus_client) from the test venv, after python's own
-    full["PYTHONPATH"] = os.pathsep.join([str(REPO), sysconfig.get_paths()["purelib"]])
+    # the repo (for tests.peers) + kvtier and its deps (httpx, prometheus_client) from the test venv, after
+    # python's own; the venv's .pth files are processed (site.addsitedir below) because kvtier's editable
+    # install maps kvtier.collectors etc. onto the repo's folders with an import hook a .pth installs
+    purelib = sysconfig.get_paths()["purelib"]
+    full["PYTHONPATH"] = os.pathsep.join([str(REPO), purelib])
     full["PYTHONUNBUFFERED"] = "1"
     full.update(env or {})
     cmd = [
@@ -44,6 +47,10 @@ def run_in_netns(
         'ip link set lo up && exec "$@"',
         "bash",
         python,
+        "-c",
+        "import runpy, site, sys; site.addsitedir(sys.argv[1]); sys.argv = sys.argv[2:]; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')",
+        purelib,
         str(HERE / "scripts" / script),
         "--workdir",
         str(workdir),

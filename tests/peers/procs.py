@@ -65,6 +65,93 @@ def wait_for(
         time.sleep(interval_s)
 
 
+# A starting peer fails only when it stops making progress: ``stall_s`` seconds in which its log did not grow
+# and its processes used no CPU. The hard cap bounds a peer that keeps busy but never gets ready. Both are
+# generous: on a loaded 2-core host vLLM's start takes many minutes, all of them with progress.
+START_CAP_S = float(os.environ.get("KVTIER_TEST_START_CAP_S", "1800"))
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of ``pid`` and its waited-for children, from /proc; 0 when unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _group_cpu_s(pid: int) -> float:
+    """CPU seconds of every process in ``pid``'s process group (vLLM's engine core is a child), or of
+    ``pid`` alone when it does not lead a group."""
+    try:
+        pgid = os.getpgid(pid)
+    except ProcessLookupError:
+        return 0.0
+    if pgid != pid:
+        return _cpu_s(pid)
+    total = 0.0
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.getpgid(int(d.name)) == pgid:
+                    total += _cpu_s(int(d.name))
+            except (ProcessLookupError, PermissionError):
+                continue
+    return total
+
+
+def last_line(log: Path | None) -> str:
+    """The last non-empty line of ``log`` (what the peer said last), or a note that it said nothing."""
+    lines = [ln for ln in tail(log, 20).splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else "(log empty)"
+
+
+def wait_started(
+    cond: Callable[[], T | None],
+    what: str,
+    *,
+    proc: subprocess.Popen[bytes],
+    log: Path,
+    stall_s: float,
+    cap_s: float | None = None,
+    interval_s: float = 0.5,
+) -> T:
+    """Poll ``cond`` until truthy while ``proc`` starts. Raises, naming ``what`` and its last log line, when
+    the process exits, when it made no progress (no log growth, no CPU time) for ``stall_s`` seconds, or
+    after ``cap_s`` (default :data:`START_CAP_S`) in all."""
+    cap = START_CAP_S if cap_s is None else cap_s
+    t0 = time.monotonic()
+    size, cpu, moved = -1, -1.0, t0
+    while True:
+        try:
+            v = cond()
+        except Exception:  # noqa: BLE001 - not ready yet
+            v = None
+        if v:
+            return v
+        now = time.monotonic()
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"{what} (pid {proc.pid}) exited with {proc.returncode} after {now - t0:.0f} s; "
+                f"last log line: {last_line(log)}\nlog {log}:\n{tail(log)}"
+            )
+        new_size = log.stat().st_size if log.exists() else 0
+        new_cpu = _group_cpu_s(proc.pid)
+        if new_size != size or new_cpu > cpu + 0.05:
+            size, cpu, moved = new_size, new_cpu, now
+        if now - moved > stall_s or now - t0 > cap:
+            why = (
+                f"no progress for {now - moved:.0f} s"
+                if now - moved > stall_s
+                else f"not ready after {cap:.0f} s"
+            )
+            raise TimeoutError(
+                f"{what} (pid {proc.pid}) stalled: {why}; last log line: {last_line(log)}\n"
+                f"log {log}:\n{tail(log)}"
+            )
+        time.sleep(interval_s)  # polling interval of a condition with a deadline
+
+
 def tail(log: Path | None, n: int = 40) -> str:
     if log is None or not log.exists():
         return ""

@@ -21,9 +21,9 @@ def cache_layer(sidecar: str, name: str) -> dict[str, Any]:
 def down_report(
     sidecar: str, name: str, what: str, proc: subprocess.Popen[bytes], log: Path
 ) -> dict[str, Any]:
-    """After the peer behind collector ``name`` stopped: wait until ``/readyz`` is 503 naming it, then return
+    """After the peer behind collector ``name`` stopped: wait until ``/readyz`` names it down, then return
     what is down, whether storage stayed up, and the collector's error counts (``/metrics`` and status)."""
-    ready = wait_for(lambda: (r := httpx.get(sidecar + "/readyz", timeout=5)).status_code == 503
+    ready = wait_for(lambda: (r := httpx.get(sidecar + "/readyz", timeout=5))
                      and name in r.json()["down"] and r.json(), 30, f"readyz names the {what}",
                      proc=proc, log=log)  # fmt: skip
     text = httpx.get(sidecar + "/metrics", timeout=5).text

@@ -36,6 +36,8 @@ from typing import Any
 
 import httpx
 
+from .procs import wait_started
+
 SERVED_MODEL = "tiny"
 BLOCK_SIZE = 32
 
@@ -120,23 +122,20 @@ class VllmServer:
             start_new_session=True,  # own process group: stop() ends the engine core child too
         )
 
-    def wait_ready(self, timeout_s: float = 600.0) -> float:
-        """Poll ``GET /health`` until 200; returns seconds waited. Raises if the process dies or times out."""
+    def wait_ready(self, stall_s: float = 600.0) -> float:
+        """Poll ``GET /health`` until 200; returns seconds waited. Raises if the process dies, makes no
+        progress (log growth or CPU time) for ``stall_s`` seconds, or is not ready after the start cap."""
+        assert self.proc is not None, "launch() first"
         t0 = time.monotonic()
-        deadline = t0 + timeout_s
         with httpx.Client(timeout=2.0) as c:
-            while time.monotonic() < deadline:
-                if not self.alive():
-                    raise RuntimeError(
-                        f"vLLM exited (rc={self.proc and self.proc.returncode}):\n{self.log_tail()}"
-                    )
-                try:
-                    if c.get(self.url + "/health").status_code == 200:
-                        return time.monotonic() - t0
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)  # polling interval while waiting for a condition, not synchronisation
-        raise TimeoutError(f"vLLM not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+            wait_started(
+                lambda: c.get(self.url + "/health").status_code == 200,
+                f"vLLM on port {self.port}",
+                proc=self.proc,
+                log=self.log_path,
+                stall_s=stall_s,
+            )
+        return time.monotonic() - t0
 
     def stop(self, timeout_s: float = 30.0, sig: int = signal.SIGTERM) -> None:
         """Signal the server's process group and wait; SIGKILL after ``timeout_s``. Idempotent."""
@@ -161,11 +160,11 @@ class VllmServer:
         """Hard-kill (SIGKILL), as a crash would."""
         self.stop(timeout_s=10.0, sig=signal.SIGKILL)
 
-    def restart(self, timeout_s: float = 600.0) -> float:
+    def restart(self, stall_s: float = 600.0) -> float:
         """Stop (if running) and start again on the same ports; returns seconds until ready."""
         self.stop()
         self.launch()
-        return self.wait_ready(timeout_s)
+        return self.wait_ready(stall_s)
 
     def cleanup(self) -> None:
         self.stop()
@@ -202,7 +201,7 @@ def start(
     workdir: str | Path | None = None,
     env: dict[str, str] | None = None,
     wait: bool = True,
-    timeout_s: float = 600.0,
+    stall_s: float = 600.0,
 ) -> VllmServer:
     """Start vLLM CPU on free ports and (by default) wait until ``/health`` answers.
 
@@ -281,7 +280,7 @@ def start(
     srv.launch()
     if wait:
         try:
-            srv.wait_ready(timeout_s)
+            srv.wait_ready(stall_s)
         except BaseException:
             srv.cleanup()
             raise

@@ -62,11 +62,9 @@ def test_touch_gaps() -> None:
     assert s.gap_ewma_ms == pytest.approx(0.7 * 50 + 0.3 * 100)
     assert ix.touch(6, 1.0) is False
     slots = ix.access_chain([5, 7, 8], 300.0)
-    assert (
-        ix.get(8).parent == 7
-        and ix.get(8).depth == 2
-        and slots.tolist() == [ix.slot_of(h) for h in (5, 7, 8)]
-    )  # type: ignore[union-attr]
+    s8 = ix.get(8)
+    assert s8 is not None and s8.parent == 7 and s8.depth == 2
+    assert slots.tolist() == [ix.slot_of(h) for h in (5, 7, 8)]
 
 
 def test_leaf_first_victims() -> None:

@@ -42,8 +42,8 @@ def test_live_rows_equal_a_dict_of_latest_moves_through_commits_expiry_and_slot_
             hashes[swap[:20]] = 50_000 + step * 100 + np.arange(20)  # blocks gone from the index
             epoch += 1
         after = t - 10.0
-        rows, clear, put = inf.live_rows(after, hashes, rows_of, epoch)
-        got = sorted(zip(rows.tolist(), clear.tolist(), put.tolist(), strict=True))
+        rows, clear_bits, put_bits = inf.live_rows(after, hashes, rows_of, epoch)
+        got = sorted(zip(rows.tolist(), clear_bits.tolist(), put_bits.tolist(), strict=True))
         want_rows = rows_of(np.array([b for b, v in ref.items() if v[0] > after], np.int64))
         want_vals = [v for v in ref.values() if v[0] > after]
         want = sorted(

@@ -38,8 +38,12 @@ def _run(reqs: list[Request], cap: int, seed: int = 0) -> tuple[LearnedPolicy, l
     return pol, hits, ev
 
 
-def test_registered_under_learned() -> None:
-    assert isinstance(get_policy("learned", 10, seed=0), LearnedPolicy)
+def test_registered_under_learned(trace: list[Request]) -> None:
+    """The registry's ``learned`` is the learned policy with its defaults: it decides exactly like one built
+    directly (per-request hit masks over a trace slice)."""
+    reqs = trace[:400]
+    reg_pol, direct_pol = get_policy("learned", 300, seed=0), LearnedPolicy(300, seed=0)
+    assert [reg_pol.access(r).tobytes() for r in reqs] == [direct_pol.access(r).tobytes() for r in reqs]
 
 
 def test_prefix_run_decides_exactly_like_the_full_run(trace: list[Request]) -> None:

@@ -117,7 +117,7 @@ def test_reuse_probability_slots_equals_the_float64_reference() -> None:
                 calls.append(e.size)
                 return model(e)
 
-            pol._logit_of_events = counted  # type: ignore[method-assign]
+            pol._logit_of_events = counted  # type: ignore[method-assign,assignment]
             pol._real.mult *= 8.0
             got = pol.reuse_probability_slots(s, now)
             del pol._logit_of_events

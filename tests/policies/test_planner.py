@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.policies.planner import BlockView, LinkBudget, Planner, PlannerConfig, TierSpec, tier_bit
+from kvtier.policies.planner import BlockView, LinkBudget, Plan, Planner, PlannerConfig, TierSpec, tier_bit
 from kvtier.policies.tiers import Tier
 
 G, C, D = tier_bit(Tier.GPU), tier_bit(Tier.CPU), tier_bit(Tier.DISK)
@@ -269,7 +269,7 @@ def test_promotion_candidates_from_the_probe_equal_ranking_every_qualifying_row(
         rows, src = self.exact(np.arange(len(self.view), dtype=np.intp), rank)
         return rows, src, rows.size
 
-    def plan(p: Planner) -> object:
+    def plan(p: Planner) -> Plan:
         p.commit([m for m in p.plan(v, 1.0).moves if m.action == "demote"][:50], 1.0)  # some in flight
         return p.plan(v, 2.0, pins=pins)
 
@@ -280,11 +280,10 @@ def test_promotion_candidates_from_the_probe_equal_ranking_every_qualifying_row(
 
     assert pruned.moves and used
     assert all(size < (qual if mixed else qual / 3) for qual, size in used)  # the probe did prune
-    assert [(m.action, m.block, m.src, m.dst, m.value_s) for m in pruned.moves] == [  # type: ignore[attr-defined]
-        (m.action, m.block, m.src, m.dst, m.value_s)
-        for m in full.moves  # type: ignore[attr-defined]
+    assert [(m.action, m.block, m.src, m.dst, m.value_s) for m in pruned.moves] == [
+        (m.action, m.block, m.src, m.dst, m.value_s) for m in full.moves
     ]
-    assert pruned.tried == full.tried and pruned.deferred == full.deferred  # type: ignore[attr-defined]
+    assert pruned.tried == full.tried and pruned.deferred == full.deferred
 
 
 @pytest.mark.parametrize("shape", ["random", "clustered", "sparse", "nan", "negative"])

@@ -51,9 +51,11 @@ def test_a_full_log_holds_no_int_objects_for_the_gc() -> None:
     for s in range(200_000, 300_000):
         log.add(s)
     log.since(log.version - 10)
-    seen, frontier, visits = set(), [log], 0  # what a GC traversal from the log visits, 3 levels deep
+    seen: set[int] = set()
+    frontier: list[object] = [log]
+    visits = 0  # what a GC traversal from the log visits, 3 levels deep
     for _ in range(3):
-        nxt = []
+        nxt: list[object] = []
         for o in frontier:
             refs = gc.get_referents(o)
             visits += len(refs)

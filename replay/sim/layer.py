@@ -1,0 +1,253 @@
+"""The emulated cache layer, running its own default policy, and the links it pays for.
+
+- HBM (tier 0) is vLLM's prefix cache: LRU over freed blocks, touched on every hit from HBM.
+- With offload, an LMCache-like layer below: L1 (DRAM) LRU, every stored block written through to L2
+  (disk, LRU), an L2 hit is loaded back through L1 (and kept there). LMCache is only asked for the part of a
+  prompt HBM misses, so an HBM hit does not refresh the block's L1 recency (as in vLLM + LMCache).
+  ``disk_admission="frequency2"`` writes a block to L2 only from its second access on (Dynamo KVBM).
+- Every transfer reserves its link (``src->dst``: FIFO, ``latency + bytes / bandwidth``), so prefetches
+  compete with demand loads; a block moved ahead of use is usable only when its transfer ends.
+- Residency changes are reported to an optional :class:`ResidencyObserver` the way the real layer's
+  events report them (stored / removed per tier), which is what a sidecar's block index consumes.
+
+Times are simulated seconds (``now``) from the serving model's clock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvtier.policies.tiers import Tier, TierHardware
+
+
+class ResidencyObserver(Protocol):
+    def stored(self, block: int, parent: int | None, tier: Tier, now: float) -> None: ...
+
+    def removed(self, block: int, tier: Tier) -> None: ...
+
+    def accessed(self, chain: Sequence[int], now: float) -> None: ...
+
+
+@dataclass
+class Link:
+    """One direction of one physical link: FIFO transfers (latency + bytes / bandwidth)."""
+
+    name: str
+    bytes_s: float
+    latency_s: float
+    free_at: float = 0.0
+    bytes_moved: int = 0
+    busy_s: float = 0.0
+
+    def reserve(self, now: float, nbytes: int, earliest: float | None = None) -> float:
+        """Queue a transfer of ``nbytes`` starting no sooner than ``earliest``; returns its end time."""
+        if nbytes <= 0:
+            return max(now, earliest or now)
+        start = max(now, self.free_at, earliest if earliest is not None else now)
+        dur = self.latency_s + nbytes / self.bytes_s
+        self.free_at = start + dur
+        self.bytes_moved += nbytes
+        self.busy_s += dur
+        return self.free_at
+
+
+@dataclass
+class Lookup:
+    """What one request found: per prefix block its tier (``None`` past the first miss)."""
+
+    tiers: list[Tier | None]
+    hit_blocks: int
+    ready_at: float  # when every hit block is in HBM
+    by_tier: Counter[Tier] = field(default_factory=Counter)
+
+
+class _Tier:
+    def __init__(self, hw: TierHardware) -> None:
+        self.hw = hw
+        self.lru: OrderedDict[int, float] = OrderedDict()  # block -> ready_at (s)
+
+    def __contains__(self, b: int) -> bool:
+        return b in self.lru
+
+
+class CacheLayer:
+    """HBM prefix cache + (with ``offload``) the layer's lower tiers; see the module doc."""
+
+    def __init__(
+        self,
+        tiers: Sequence[TierHardware],
+        block_bytes: int,
+        *,
+        offload: bool = True,
+        disk_admission: str = "all",
+        observer: ResidencyObserver | None = None,
+    ) -> None:
+        self.block_bytes = block_bytes
+        self.hw = list(tiers if offload else tiers[:1])
+        self.t: dict[Tier, _Tier] = {h.tier: _Tier(h) for h in self.hw}
+        self.order = [h.tier for h in self.hw]
+        self.lower = self.order[1:]  # the layer's own tiers (L1, L2, ...)
+        self.disk_admission = disk_admission
+        self.observer = observer
+        self.links: dict[str, Link] = {}
+        for h in self.hw[1:]:
+            up = Tier.GPU if h.tier is Tier.CPU else Tier.CPU
+            self.links[f"{h.tier.value}->{up.value}"] = Link(f"{h.tier.value}->{up.value}", h.read_bytes_s,
+                                                             h.latency_s)  # fmt: skip
+            self.links[f"{up.value}->{h.tier.value}"] = Link(f"{up.value}->{h.tier.value}", h.write_bytes_s,
+                                                             h.latency_s)  # fmt: skip
+        self.freq: Counter[int] = Counter()
+        self.hit_tokens: Counter[str] = Counter()  # tier -> prompt tokens served from it
+        self.lookup_tokens = 0
+        self.evictions: Counter[str] = Counter()
+        self.now = 0.0
+
+    # -- residency -------------------------------------------------------------------------------------
+    def where(self, b: int) -> Tier | None:
+        for t in self.order:
+            if b in self.t[t].lru:
+                return t
+        return None
+
+    def resident(self, tier: Tier) -> int:
+        return len(self.t[tier].lru) if tier in self.t else 0
+
+    def _put(self, tier: Tier, b: int, parent: int | None, ready_at: float) -> None:
+        st = self.t[tier]
+        if b in st.lru:
+            st.lru[b] = max(st.lru[b], ready_at) if ready_at > self.now else st.lru[b]
+            st.lru.move_to_end(b)
+            return
+        st.lru[b] = ready_at
+        if self.observer is not None:
+            self.observer.stored(b, parent, tier, self.now)
+        while len(st.lru) > st.hw.capacity_blocks:
+            old, _ = st.lru.popitem(last=False)
+            self.evictions[tier.value] += 1
+            if self.observer is not None:
+                self.observer.removed(old, tier)
+
+    def _drop(self, tier: Tier, b: int) -> bool:
+        st = self.t.get(tier)
+        if st is None or b not in st.lru:
+            return False
+        del st.lru[b]
+        if self.observer is not None:
+            self.observer.removed(b, tier)
+        return True
+
+    def _copy(self, src: Tier, dst: Tier, blocks: list[int], earliest: float | None = None) -> float:
+        """Reserve the ``src->dst`` link for ``blocks`` (one transfer); returns when it ends."""
+        if not blocks:
+            return self.now
+        link = self.links.get(f"{src.value}->{dst.value}")
+        if link is None:  # no direct link (e.g. disk -> gpu): go through cpu
+            mid = self._copy(src, Tier.CPU, blocks, earliest)
+            return self._copy(Tier.CPU, dst, blocks, mid)
+        return link.reserve(self.now, len(blocks) * self.block_bytes, earliest)
+
+    # -- the serving path --------------------------------------------------------------------------------
+    def lookup(self, chain: Sequence[int], input_tokens: int, block_tokens: int) -> Lookup:
+        """Find the request's cached prefix and load it into HBM (demand loads reserve the links)."""
+        now = self.now
+        if self.observer is not None:
+            self.observer.accessed(chain, now)
+        for b in chain:
+            self.freq[b] += 1
+        tiers: list[Tier | None] = []
+        for b in chain:
+            t = self.where(b)
+            if t is None:
+                break
+            tiers.append(t)
+        n = len(tiers)
+        tiers.extend([None] * (len(chain) - n))
+        by_tier: Counter[Tier] = Counter(t for t in tiers if t is not None)
+        ready = now
+        gpu = self.t[Tier.GPU]
+        from_cpu: list[int] = []
+        from_below: dict[Tier, list[int]] = {}
+        for b, t in zip(chain[:n], tiers[:n], strict=True):
+            assert t is not None  # the first n blocks were found
+            ready = max(ready, self.t[t].lru[b])  # a prefetch still in flight
+            if t is Tier.GPU:
+                gpu.lru.move_to_end(b)
+            elif t is Tier.CPU:
+                self.t[Tier.CPU].lru.move_to_end(b)
+                from_cpu.append(b)
+            else:
+                from_below.setdefault(t, []).append(b)
+        end = ready
+        for t, bl in from_below.items():  # L2 -> L1 (kept in L1), then with the L1 hits -> HBM
+            e = self._copy(t, Tier.CPU, bl, ready)
+            for b in bl:
+                self._put(Tier.CPU, b, None, e)
+            end = max(end, self._copy(Tier.CPU, Tier.GPU, bl, e))
+        end = max(end, self._copy(Tier.CPU, Tier.GPU, from_cpu, ready))
+        parent: int | None = None
+        for b, t in zip(chain[:n], tiers[:n], strict=True):
+            if t is not Tier.GPU:
+                self._put(Tier.GPU, b, parent, end)
+            parent = b
+        hit_tok = min(n * block_tokens, input_tokens)
+        self.lookup_tokens += input_tokens
+        for k, t in enumerate(tiers[:n]):
+            assert t is not None
+            self.hit_tokens[t.value] += min(block_tokens, max(0, input_tokens - k * block_tokens))
+        return Lookup(tiers, n if hit_tok else 0, end, by_tier)
+
+    def store(self, chain: Sequence[int], hit_blocks: int) -> None:
+        """The prompt's computed blocks land in HBM and, with offload, are written through below."""
+        parent = chain[hit_blocks - 1] if hit_blocks else None
+        new = list(chain[hit_blocks:])
+        p = parent
+        for b in new:
+            self._put(Tier.GPU, b, p, self.now)
+            p = b
+        if not self.lower or not new:
+            return
+        l1 = self.lower[0]
+        e = self._copy(Tier.GPU, l1, new)
+        for b in new:
+            self._put(l1, b, None, e)
+        for t in self.lower[1:]:
+            keep = [b for b in new if b not in self.t[t].lru and
+                    (self.disk_admission == "all" or self.freq[b] >= 2)]  # fmt: skip
+            if keep:
+                e2 = self._copy(l1, t, keep, e)
+                for b in keep:
+                    self._put(t, b, None, e2)
+
+    # -- moves (the memory actuator) -----------------------------------------------------------------------
+    def promote(self, b: int, to: Tier) -> str:
+        """Copy ``b`` into ``to`` from the nearest slower tier holding it; '' when applied, else why not."""
+        if to not in self.t or to is Tier.GPU:
+            return "tier not managed by the layer"
+        if b in self.t[to].lru:
+            return "already there"
+        src = next((t for t in self.order if t.rank > to.rank and b in self.t[t].lru), None)
+        if src is None:
+            return "not present"
+        e = self._copy(src, to, [b], max(self.now, self.t[src].lru[b]))
+        self._put(to, b, None, e)
+        return ""
+
+    def demote(self, b: int, to: Tier) -> str:
+        src = next((t for t in self.lower if t.rank < to.rank and b in self.t[t].lru), None)
+        if to not in self.t or src is None:
+            return "not present"
+        if b not in self.t[to].lru:
+            e = self._copy(src, to, [b], max(self.now, self.t[src].lru[b]))
+            self._put(to, b, None, e)
+        self._drop(src, b)
+        return ""
+
+    def evict(self, b: int, tier: Tier | None) -> str:
+        tiers = [tier] if tier is not None else list(self.lower)
+        return "" if any([self._drop(t, b) for t in tiers if t in self.lower]) else "not present"
+
+    def bytes_by_link(self) -> dict[str, int]:
+        return {k: v.bytes_moved for k, v in sorted(self.links.items())}

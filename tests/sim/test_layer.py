@@ -1,0 +1,111 @@
+"""The simulated cache layer: its default policy (HBM LRU, L1 LRU written through to L2, L2 hits back
+through L1), the optional KVBM frequency filter, link accounting, and the moves the memory actuator
+applies."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from kvtier.controller.actuators.base import BlockRef, Outcome
+from kvtier.controller.loop import block_key_hex
+from kvtier.policies.index import BlockIndex
+from kvtier.policies.tiers import Tier, TierHardware
+from kvtier.replay.sim.actuator import MemoryActuator
+from kvtier.replay.sim.layer import CacheLayer
+from kvtier.replay.sim.report import IndexReporter
+
+BB = 1000  # bytes per block
+
+
+def _tiers(gpu: int = 2, cpu: int = 3, disk: int = 5) -> list[TierHardware]:
+    return [
+        TierHardware(Tier.GPU, gpu, 1e15, 1e15),
+        TierHardware(Tier.CPU, cpu, 1e6, 1e6, 0.0),  # 1 ms per block
+        TierHardware(Tier.DISK, disk, 1e5, 1e5, 0.0),  # 10 ms per block
+    ]
+
+
+def _serve(layer: CacheLayer, chain: Sequence[int]) -> list[Tier | None]:
+    look = layer.lookup(chain, len(chain) * 10, 10)
+    layer.store(chain, look.hit_blocks)
+    return look.tiers
+
+
+def test_default_policy_lru_write_through_and_l2_hits_come_back_through_l1() -> None:
+    layer = CacheLayer(_tiers(gpu=2, cpu=4, disk=8), BB)
+    assert _serve(layer, [1, 2]) == [None, None]
+    assert layer.where(1) is Tier.GPU and 1 in layer.t[Tier.CPU] and 1 in layer.t[Tier.DISK]
+    _serve(layer, [3, 4])  # HBM holds 2: 1 and 2 leave HBM (still in L1 and L2)
+    assert layer.where(1) is Tier.CPU
+    _serve(layer, [5, 6])  # L1 holds 4: 1 and 2 leave L1 (LRU), stay in L2
+    assert layer.where(1) is Tier.DISK and layer.where(4) is Tier.CPU
+    before = dict(layer.bytes_by_link())
+    tiers = _serve(layer, [1, 2, 7])
+    assert tiers == [Tier.DISK, Tier.DISK, None]
+    after = layer.bytes_by_link()
+    assert after["disk->cpu"] - before["disk->cpu"] == 2 * BB  # L2 -> L1 ...
+    assert after["cpu->gpu"] - before["cpu->gpu"] == 2 * BB  # ... -> HBM
+    assert 1 in layer.t[Tier.CPU] and 2 in layer.t[Tier.CPU]  # kept in L1 on the way up
+    assert layer.where(7) is Tier.GPU and layer.resident(Tier.GPU) == 2
+    assert layer.hit_tokens["disk"] == 20
+
+
+def test_prefix_stops_at_the_first_miss_and_hbm_hits_do_not_refresh_l1() -> None:
+    layer = CacheLayer(_tiers(gpu=4, cpu=2), BB)
+    _serve(layer, [1, 2])
+    _serve(layer, [3, 4])  # L1 now {3, 4}; HBM {1, 2, 3, 4}
+    assert _serve(layer, [1, 9, 2]) == [Tier.GPU, None, None]  # 2 is cached but past the miss
+    assert 1 not in layer.t[Tier.CPU]  # an HBM hit never asked the layer
+
+
+def test_kvbm_frequency_filter_writes_to_disk_from_the_second_access_on() -> None:
+    layer = CacheLayer(_tiers(gpu=1, cpu=1), BB, disk_admission="frequency2")
+    _serve(layer, [1])
+    assert 1 not in layer.t[Tier.DISK]
+    _serve(layer, [2])
+    _serve(layer, [3])  # 1 left HBM and L1
+    assert layer.where(1) is None
+    _serve(layer, [1])
+    assert 1 in layer.t[Tier.DISK]
+
+
+def test_links_are_fifo_so_a_prefetch_delays_a_demand_load() -> None:
+    layer = CacheLayer(_tiers(gpu=1, cpu=2, disk=10), BB)
+    for b in (1, 2, 3, 4):
+        _serve(layer, [b])
+    assert layer.where(1) is Tier.DISK and layer.where(2) is Tier.DISK
+    layer.now = 100.0
+    assert layer.promote(1, Tier.CPU) == ""  # disk->cpu busy 10 ms
+    look = layer.lookup([2], 10, 10)  # the demand load queues behind it: 10 + 10 ms, then 1 ms to HBM
+    assert look.ready_at == pytest.approx(100.021)
+    assert layer.t[Tier.CPU].lru[1] == pytest.approx(100.010)  # the prefetched block is usable then
+
+
+def test_memory_actuator_applies_moves_and_reports_them_to_the_index() -> None:
+    idx = BlockIndex()
+    layer = CacheLayer(_tiers(gpu=1, cpu=2), BB, observer=IndexReporter(idx, BB))
+    for b in (1, 2, 3):
+        _serve(layer, [b])
+    act = MemoryActuator(layer)
+    assert act.tiers == frozenset({Tier.CPU, Tier.DISK})
+    ref = [BlockRef(layer_key=block_key_hex(1))]
+    assert layer.where(1) is Tier.DISK
+    assert act.promote(ref, Tier.CPU).outcomes[0].outcome is Outcome.APPLIED
+    assert idx.count_by_tier()[Tier.CPU] == 2 and 1 in layer.t[Tier.CPU]
+    assert act.promote(ref, Tier.CPU).outcomes[0].detail == "already there"
+    assert act.evict(ref, Tier.CPU).outcomes[0].outcome is Outcome.APPLIED
+    assert 1 not in layer.t[Tier.CPU] and 1 in layer.t[Tier.DISK]
+    gone = [BlockRef(layer_key=block_key_hex(99))]
+    assert act.evict(gone, Tier.CPU).outcomes[0].outcome is Outcome.SKIPPED
+    assert (
+        act.demote([BlockRef(layer_key=block_key_hex(3))], Tier.DISK).outcomes[0].outcome is Outcome.APPLIED
+    )
+    assert 3 not in layer.t[Tier.CPU] and 3 in layer.t[Tier.DISK]
+    bad = act.promote([BlockRef(layer_key="zz")], Tier.CPU)
+    assert bad.outcomes[0].outcome is Outcome.FAILED
+    assert act.applied == {"promote": 1, "evict": 1, "demote": 1}
+    # the index agrees with the layer, tier by tier
+    for t in (Tier.GPU, Tier.CPU, Tier.DISK):
+        assert idx.count_by_tier()[t] == layer.resident(t)
