@@ -39,7 +39,15 @@ from kvtier.policies.tiers import Tier, normalize_tier
 
 log = logging.getLogger(__name__)
 
-ACTUATOR_NAMES = ("shadow", "vllm-warmup", "lmcache-mp", "mooncake", "lmcache-controller", "memory")
+ACTUATOR_NAMES = (
+    "shadow",
+    "vllm-warmup",
+    "lmcache-mp",
+    "mooncake",
+    "lmcache-controller",
+    "memory",
+    "lmcache-l1",
+)
 
 
 def make_actuator(
