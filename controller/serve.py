@@ -17,7 +17,9 @@ def serve(
     ),
     listen: str = typer.Option(None, "--listen", help="HOST:PORT to serve on [127.0.0.1:8787]."),
     config: Path = typer.Option(
-        None, "--config", help="Config file (JSON or TOML); KVTIER_* env overrides it."
+        None,
+        "--config",
+        help="Config file (YAML, TOML or JSON; unknown keys are errors); KVTIER_* env wins.",
     ),
     mode: str = typer.Option(None, "--mode", help="off | shadow | active [persisted policy; shadow]."),
     actuator: list[str] = typer.Option(

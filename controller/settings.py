@@ -1,4 +1,4 @@
-"""Sidecar settings: CLI flags > ``KVTIER_*`` environment variables > config file (JSON or TOML) > defaults.
+"""Sidecar settings: CLI flags > ``KVTIER_*`` env > config file (YAML, TOML or JSON) > defaults.
 
 List values in the environment are JSON (``KVTIER_ENGINE_URLS='["http://127.0.0.1:8000"]'``) or
 comma-separated (``KVTIER_ENGINE_URLS=http://a:8000,http://b:8000``). ``KVTIER_TIER_PATHS`` is a JSON object
@@ -7,11 +7,13 @@ comma-separated (``KVTIER_ENGINE_URLS=http://a:8000,http://b:8000``). ``KVTIER_T
 
 from __future__ import annotations
 
+import difflib
 import json
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import yaml
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -54,7 +56,7 @@ def _tier_paths(v: Any) -> Any:
 class Settings(BaseSettings):
     """Everything ``kvtier serve`` needs. Intervals in seconds."""
 
-    model_config = SettingsConfigDict(env_prefix="KVTIER_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="KVTIER_", extra="forbid")  # a typo is an error
 
     engine_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)  # vLLM API servers
     lmcache_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)  # LMCache MP servers
@@ -166,15 +168,29 @@ class Settings(BaseSettings):
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """A JSON (``.json``) or TOML (anything else) file -> dict of settings. Raises ValueError if malformed."""
+    """A JSON (``.json``), YAML (``.yaml``/``.yml``, the ConfigMap form) or TOML (anything else) file -> dict
+    of settings. Raises ValueError, one line naming the file, if it is malformed or has a key that is not a
+    setting (a typo such as ``engine_url`` must not start a sidecar that silently watches nothing)."""
     p = Path(path)
     text = p.read_text()
     try:
-        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ValueError(f"{p}: {exc}") from exc
+        if p.suffix == ".json":
+            data = json.loads(text)
+        elif p.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text)
+        else:
+            data = tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ValueError(f"{p}: {' '.join(str(exc).split())}") from exc
     if not isinstance(data, dict):
         raise ValueError(f"{p}: expected an object/table at top level")
+    unknown = sorted(k for k in data if k not in Settings.model_fields)
+    if unknown:
+        hints = []
+        for k in unknown:
+            close = difflib.get_close_matches(str(k), list(Settings.model_fields), n=1)
+            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ValueError(f"{p}: unknown setting {', '.join(hints)}")
     return data
 
 
