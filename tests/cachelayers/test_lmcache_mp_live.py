@@ -276,9 +276,12 @@ def test_canned_captures_match_the_installed_peers(rig: Rig) -> None:
     vllm_now = httpx.get(rig.vllm.url + "/metrics", timeout=10).text
     lmc_now = rig.server.metrics_text()
     live = _shape(vllm_now, "vllm:")
-    # the LMCacheMPConnector configured here adds its own families to vLLM's (the capture is a plain vLLM)
-    connector = {k for k in live if k.startswith("vllm:lmcache_mp_")}
-    assert connector, sorted(live)
+    # a KV connector adds families to vLLM's (the capture is a plain vLLM): the LMCacheMPConnector's own
+    # ``vllm:lmcache_mp_*`` and vLLM's KV-fetch stage gauge
+    connector = {
+        k for k in live if k.startswith("vllm:lmcache_mp_") or k == "vllm:num_requests_kv_fetch_by_stage"
+    }
+    assert "vllm:num_requests_kv_fetch_by_stage" in connector and len(connector) > 1, sorted(live)
     assert {k: v for k, v in live.items() if k not in connector} == _shape(VLLM_CAPTURE.read_text(), "vllm:")
     assert _shape(lmc_now, "lmcache") == _shape((CAPTURES / "lmcache_mp_metrics.txt").read_text(), "lmcache")
     canned = json.loads((CAPTURES / "lmcache_mp_status.json").read_text())
