@@ -133,6 +133,8 @@ class ControlledSidecar(Sidecar):
             return
         loop = self.plane.loop
         loop.set_policy(apply_geometry(loop._pending_policy or loop.policy, geo))
+        if loop.placement is not None:  # events carry their block size; this is the fallback
+            loop.placement.requests.block_size_tokens = geo.block_size_tokens
         self.policy_source["policy"] = f"discovered (vllm:cache_config_info of {engine_url})"
         log.info(
             "policy sized from %s: GPU tier %d blocks of %d tokens (vllm:cache_config_info)",
