@@ -260,8 +260,9 @@ def _shape(text: str, prefix: str) -> dict[str, tuple[str, frozenset[str]]]:
 
 def _keys(d: Any, at: str = "") -> set[str]:
     """Every key path of a JSON document (list items as ``[]``)."""
-    if isinstance(d, dict):
-        return {f"{at}.{k}" for k in d} | {p for k, v in d.items() for p in _keys(v, f"{at}.{k}")}
+    if isinstance(d, dict):  # per-context ids (digits) are data, not fields
+        named = {("<id>" if str(k).lstrip("-").isdigit() else k): v for k, v in d.items()}
+        return {f"{at}.{k}" for k in named} | {p for k, v in named.items() for p in _keys(v, f"{at}.{k}")}
     if isinstance(d, list):
         return {p for v in d for p in _keys(v, f"{at}[]")}
     return set()
@@ -289,4 +290,6 @@ def test_canned_captures_match_the_installed_peers(rig: Rig) -> None:
     lmc_canned = _shape((CAPTURES / "lmcache_mp_metrics.txt").read_text(), "lmcache")
     assert lmc_canned and {k: lmc_live.get(k) for k in lmc_canned} == lmc_canned
     canned = json.loads((CAPTURES / "lmcache_mp_status.json").read_text())
-    assert _keys(rig.server.status()) == _keys(canned)
+    # every field of the captured /status is still served (the server adds per-context entries as engines
+    # register, so the live document may hold more)
+    assert _keys(canned) <= _keys(rig.server.status())
