@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -19,6 +20,7 @@ from kvtier.collectors.vllm_events import BlockStored, DecodedBatch, block_key
 from kvtier.controller.api import status_extra
 from kvtier.controller.app import create_app
 from kvtier.controller.geometry import EngineGeometry, apply_geometry, fetch_geometry
+from kvtier.controller.l1_keeper import L1Keeper, keeper_hook
 from kvtier.controller.runtime import ControlPlane, build_control_plane, make_actuator
 from kvtier.controller.settings import Settings
 from kvtier.controller.sidecar import Sidecar
@@ -32,6 +34,8 @@ class ControlIngestor(KvIngestor):
     """A :class:`KvIngestor` that also keeps block tokens and wakes the reconcile loop after each batch."""
 
     plane: ControlPlane | None = None
+    # hook: the L1 keeper, fed (parent, block hashes, block size) of every BlockStored
+    on_stored: Callable[[int | None, Sequence[int], int], None] | None = None
     feed_per_batch = 16  # requests served through the placement policy per batch (~0.4 ms each, learned)
 
     def apply(self, engine: str, batch: DecodedBatch, source: str | None = None) -> None:
@@ -57,7 +61,10 @@ class ControlIngestor(KvIngestor):
                 try:
                     toks = e.tokens()
                     parent = None if e.parent_block_hash is None else block_key(e.parent_block_hash)
-                    tokens.on_block_stored([block_key(h) for h in e.block_hashes], parent, toks, e.block_size)
+                    keys = [block_key(h) for h in e.block_hashes]
+                    tokens.on_block_stored(keys, parent, toks, e.block_size)
+                    if self.on_stored is not None:
+                        self.on_stored(parent, keys, e.block_size)
                 except Exception as exc:  # noqa: BLE001 - a bad event must not stop ingestion
                     log.warning("token store: skipped a BlockStored event: %s", exc)
         plane.loop.wake()
@@ -74,7 +81,10 @@ class ControlledSidecar(Sidecar):
         engine_url = settings.engine_urls[0] if settings.engine_urls else None
         model = settings.engine_model or (discover_model(engine_url) if engine_url else "")
         acts = []
+        self.l1_keeper: L1Keeper | None = None
         for name in settings.actuators:
+            if name == "lmcache-l1":  # the keeper acts on LMCache L1 by itself (not a planner actuator)
+                continue
             extra: dict[str, Any] = {}
             options = dict(settings.actuator_options.get(name) or {})
             if name == "vllm-warmup":
@@ -96,7 +106,8 @@ class ControlledSidecar(Sidecar):
             actuators=acts, tracer=make_tracer(self.tracer_provider), clock=self.clock,
             api_token=settings.api_token, engine_url=engine_url, engine_model=model, http=self.client,
             placement_policy=None if settings.policy == "none" else settings.policy,
-            placement_tier=settings.policy_tier,
+            placement_tier=settings.policy_tier, allow_active=settings.allow_active,
+            api_options=api_options(settings),
         )  # fmt: skip
         self.plane.http = None  # the sidecar owns the shared client
         self.engine_url = engine_url
@@ -112,10 +123,14 @@ class ControlledSidecar(Sidecar):
         self._geometry_task: asyncio.Task[None] | None = None
         if isinstance(self.ingestor, ControlIngestor):
             self.ingestor.plane = self.plane
+        if "lmcache-l1" in settings.actuators:
+            self.l1_keeper = build_keeper(self, settings, engine_url)
 
     async def start(self) -> None:
         await super().start()
         await self.plane.start()
+        if self.l1_keeper is not None:
+            self.l1_keeper.start()
         if self.engine_url and self.policy_source["policy"] == "default":
             self._geometry_task = asyncio.create_task(self._discover_geometry(self.engine_url))
 
@@ -142,6 +157,8 @@ class ControlledSidecar(Sidecar):
         )  # fmt: skip
 
     async def stop(self) -> None:
+        if self.l1_keeper is not None:
+            self.l1_keeper.stop()
         if self._geometry_task is not None:
             self._geometry_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -153,6 +170,8 @@ class ControlledSidecar(Sidecar):
     def status(self) -> dict[str, Any]:
         out = super().status()
         out.update(status_extra(self.plane.ctx))
+        if self.l1_keeper is not None:
+            out["l1_keeper"] = self.l1_keeper.status()
         out["policy_source"] = dict(self.policy_source)
         out["engine_geometry"] = self.geometry.to_dict() if self.geometry is not None else None
         return out
@@ -188,6 +207,46 @@ def reset_persisted_policy(state_dir: str) -> bool:
     if dropped:
         log.warning("--reset-state: dropped the policy persisted in %s", state_dir)
     return dropped
+
+
+def api_options(settings: Settings) -> dict[str, Any]:
+    """The API's hardening options from the settings (Host allow-list derived from ``--listen``)."""
+    from kvtier.controller.guard import allowed_hosts_for
+
+    host, _ = settings.listen_host_port
+    return {
+        "allowed_hosts": allowed_hosts_for(host, settings.allowed_hosts),
+        "max_body_bytes": settings.max_body_bytes,
+        "max_inflight": settings.http_max_inflight,
+        "max_pins": settings.max_pins,
+        "max_pinned_tokens": settings.max_pinned_tokens,
+        "max_pin_tokens": settings.max_pin_tokens,
+    }
+
+
+def build_keeper(sc: ControlledSidecar, settings: Settings, engine_url: str | None) -> L1Keeper:
+    """``--actuator lmcache-l1``: the LMCache MP L1 keeper (:mod:`kvtier.controller.l1_keeper`)."""
+    from kvtier.controller.actuators import lmcache_mp
+
+    if not settings.lmcache_urls:
+        raise ValueError("--actuator lmcache-l1 needs --lmcache-url")
+    opts = dict(settings.actuator_options.get("lmcache-l1") or {})
+    model = opts.pop("model_name", None) or (discover_model(engine_url, field="root") if engine_url else "")
+    act = lmcache_mp.build(settings.lmcache_urls[0], model_name=model)
+    plane = sc.plane
+    assert plane is not None
+    acts = plane.loop.metrics.actuations
+
+    def record(what: str, n: int) -> None:  # "action:outcome"
+        action, _, outcome = what.partition(":")
+        acts.labels(layer="lmcache-mp", action=action, outcome=outcome).inc(n)
+
+    keeper = L1Keeper(act, chain_tokens=plane.loop.tokens.chain_tokens,
+                      is_active=lambda: plane.loop.mode == "active", registry=sc.registry,
+                      record=record, **opts)  # fmt: skip
+    if isinstance(sc.ingestor, ControlIngestor):
+        sc.ingestor.on_stored = keeper_hook(keeper)
+    return keeper
 
 
 def discover_model(engine_url: str, timeout_s: float = 5.0, field: str = "id") -> str:

@@ -65,6 +65,10 @@ class PolicyPlacement:
         self.block_accesses = 0
         self.block_hits = 0  # blocks resident in the policy's tier when requested
         self.errors = 0
+        # per-block memory bound of the policy object (blocks it has ever seen; None = unbounded, replay):
+        # past it the policy restarts empty (policies cannot forget single blocks; counted in ``restarts``)
+        self.max_slots: int | None = None
+        self.restarts = 0
 
     @property
     def capacity_blocks(self) -> int:
@@ -90,9 +94,23 @@ class PolicyPlacement:
         if not self.lock.acquire(blocking=blocking):
             return 0
         try:
-            return self._feed(max_requests)
+            n = self._feed(max_requests)
+            slots = getattr(self.policy, "_slot", None)
+            if self.max_slots is not None and slots is not None and len(slots) > self.max_slots:
+                self._restart(f"it has seen {len(slots)} blocks, more than its bound {self.max_slots}")
+            return n
         finally:
             self.lock.release()
+
+    def _restart(self, why: str) -> None:
+        """A fresh policy object of the same capacity (caller holds :attr:`lock`)."""
+        log.warning("placement policy %s restarts empty: %s", self.name, why)
+        self.restarts += 1
+        self.policy = get_policy(self.name, self.policy.capacity_blocks, seed=self.seed)
+        self.desired.clear()
+        self._want[:] = False
+        self._unknown.clear()
+        self._row_slot[:] = -1
 
     def _feed(self, max_requests: int | None) -> int:
         pol, desired, touched, lookup = self.policy, self.desired, self._touched, self.lookup
@@ -271,6 +289,8 @@ class PolicyPlacement:
             "requests_pending": len(self.requests),
             "inferred": dict(self.requests.counts),
             "errors": self.errors,
+            "restarts": self.restarts,  # restarted empty at the per-block bound (max_slots)
+            "max_slots": self.max_slots,
         }
 
 

@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -62,11 +62,12 @@ class Settings(BaseSettings):
     # legacy LMCache cache controllers (``lmcache_controller``, LMCacheConnectorV1 deployments)
     lmcache_controller_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
     listen: str = "127.0.0.1:8787"
-    scrape_interval_s: float = Field(default=2.0, gt=0)  # /metrics of peers
-    discovery_interval_s: float = Field(default=5.0, gt=0)  # GET /kv_event_sources
-    storage_interval_s: float = Field(default=5.0, gt=0)
-    http_timeout_s: float = Field(default=5.0, gt=0)
-    replay_timeout_s: float = Field(default=2.0, gt=0)
+    # lower bounds keep a typo (1e-6) from turning a poll loop into a busy loop
+    scrape_interval_s: float = Field(default=2.0, ge=0.1, le=3600)  # /metrics of peers
+    discovery_interval_s: float = Field(default=5.0, ge=0.1, le=3600)  # GET /kv_event_sources
+    storage_interval_s: float = Field(default=5.0, ge=0.1, le=3600)
+    http_timeout_s: float = Field(default=5.0, ge=0.1, le=600)
+    replay_timeout_s: float = Field(default=2.0, ge=0.1, le=600)
     # largest KV-event seq step (batches) confirming a held out-of-sequence batch (vllm_kv_subscriber)
     max_seq_gap: int = Field(default=10_000, gt=0)
     # blocks the sidecar's index tracks at most (~250 B each); beyond it the stalest blocks resident nowhere
@@ -83,6 +84,21 @@ class Settings(BaseSettings):
     actuators: Annotated[list[str], NoDecode] = Field(default_factory=list)  # shadow, vllm-warmup, lmcache-mp
     state_dir: str = ".kvtier-state"  # SQLite file with policy, pins, trained model
     api_token: str | None = None  # KVTIER_API_TOKEN: bearer token required for API mutations
+    # -- hardening (issue 18): see controller/guard.py and docs/security.md --
+    insecure_no_auth: bool = False  # allow a non-loopback --listen without a token (logged loudly)
+    allow_active: bool = False  # the API may switch mode to active (implied by --mode active)
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list
+    )  # extra Host names ("*" = any)
+    max_body_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20)  # request bodies, checked pre-parse
+    http_max_inflight: int = Field(
+        default=64, ge=4, le=4096
+    )  # concurrent requests (503 beyond; not /healthz)
+    http_keepalive_s: float = Field(default=5.0, ge=0.5, le=300)  # idle keep-alive connections closed after
+    http_request_deadline_s: float = Field(default=15.0, ge=1, le=600)  # to receive a whole request
+    max_pins: int = Field(default=1024, ge=1, le=100_000)
+    max_pinned_tokens: int = Field(default=1 << 20, ge=1, le=1 << 26)  # all pins' token ids together
+    max_pin_tokens: int = Field(default=131_072, ge=1, le=1 << 22)  # one pin's prefix
     engine_model: str = ""  # served model name for warm-ups ("" = first of the engine's /v1/models)
     warmup_tokens_per_s: float = Field(default=4096.0, gt=0)  # vllm-warmup budget: prompt tokens per second
     warmup_requests_per_s: float = Field(default=4.0, gt=0)  # vllm-warmup budget: requests per second
@@ -94,7 +110,7 @@ class Settings(BaseSettings):
 
     @field_validator(
         "engine_urls", "lmcache_urls", "mooncake_urls", "lmcache_controller_urls", "storage_devices",
-        "actuators", mode="before",
+        "actuators", "allowed_hosts", mode="before",
     )  # fmt: skip
     @classmethod
     def _lists(cls, v: Any) -> Any:
@@ -115,6 +131,31 @@ class Settings(BaseSettings):
                 u = "http://" + u
             out.append(u)
         return out
+
+    @field_validator("api_token")
+    @classmethod
+    def _token(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError(
+                "api_token (KVTIER_API_TOKEN) is empty or whitespace: set a real token or unset it"
+            )
+        if v is not None and v != v.strip():
+            raise ValueError("api_token (KVTIER_API_TOKEN) has leading/trailing whitespace")
+        return v
+
+    @model_validator(mode="after")
+    def _secure_listen(self) -> Settings:
+        from kvtier.controller.guard import is_loopback
+
+        host, _ = self.listen_host_port
+        if not is_loopback(host) and self.api_token is None and not self.insecure_no_auth:
+            raise ValueError(
+                f"--listen {self.listen} is reachable from other hosts but no API token is set: set "
+                "KVTIER_API_TOKEN (or pass --insecure-no-auth to serve mutations unauthenticated)"
+            )
+        if self.mode == "active":
+            self.allow_active = True  # started active: the operator allowed it
+        return self
 
     @property
     def listen_host_port(self) -> tuple[str, int]:

@@ -1,0 +1,35 @@
+"""Live A/B on the real stack (vLLM CPU + LMCache MP, fresh per arm): `kvtier bench` figures, both arms.
+
+Runs :func:`bench.live_ab.run_ab` (the same harness as ``python -m bench.live_ab``): a fresh LMCache MP server
+(L1 0.028 GB, fs L2) and vLLM CPU with LMCacheMPConnector per run; the active arm runs ``kvtier serve --mode
+active --actuator lmcache-l1``. Costly (two stacks per test, a few hundred requests): slow + vllm + lmcache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.live_ab import run_ab
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.lmcache]
+
+
+def test_active_is_not_worse_than_baseline_on_l1_hits(tmp_path: Path) -> None:
+    out = run_ab("bundled", 500, arms=("baseline", "active"), root=tmp_path)
+    base, act = out["arms"]["baseline"], out["arms"]["active"]
+    assert base["failed"] == 0 and act["failed"] == 0
+    assert base["requests"] == act["requests"] == 500
+    assert act["l1_hit_tokens"] >= base["l1_hit_tokens"]
+    assert act["hit_tokens_total"] >= base["hit_tokens_total"]
+    assert any(k.startswith("l1_admission/") for k in act["actuations"])  # the keeper acted
+
+
+def test_guard_trips_on_a_workload_built_to_make_admission_lose(tmp_path: Path) -> None:
+    """Every prompt comes back exactly once, eight prompts later: dropping first-sight chunks loses every
+    L1 hit the layer's LRU would have had, so the guard must put the sidecar back in shadow."""
+    out = run_ab("once-again", 240, arms=("active",), root=tmp_path)
+    act = out["arms"]["active"]
+    assert act["failed"] == 0
+    assert act["guard"].get("kvtier_guard_trips_total", 0) >= 1
