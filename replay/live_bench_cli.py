@@ -5,6 +5,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+import httpx
 import typer
 
 
@@ -60,6 +61,12 @@ def bench(
     except (TraceError, OSError) as e:
         typer.echo(f"kvtier bench: cannot read trace {path}: {e}", err=True)
         raise typer.Exit(2) from e
+    from kvtier.usage import describe, fail
+
+    try:  # before any arm starts: an unreachable engine is one line now, not a sidecar timeout later
+        httpx.get(engine_url.rstrip("/") + "/v1/models", timeout=10.0).raise_for_status()
+    except (httpx.HTTPError, ValueError) as e:
+        fail(f"cannot reach the engine at {engine_url}: {describe(e)}")
     cap = prompt_cap(max_prompt_tokens, engine_max_len(engine_url), max_tokens)
     reqs = build_requests(tr, chunk=chunk_tokens, vocab=vocab, max_prompt_tokens=cap,
                           max_tokens=max_tokens, time_scale=time_scale, seed=seed)  # fmt: skip
@@ -77,8 +84,11 @@ def bench(
     )
     console = Console(stderr=True)
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*cols, console=console, transient=True) as prog:
-        result = run_bench(plan, prog)
+    try:
+        with Progress(*cols, console=console, transient=True) as prog:
+            result = run_bench(plan, prog)
+    except (RuntimeError, OSError, httpx.HTTPError) as e:  # a peer went away, a sidecar did not start
+        fail(describe(e))
     Console().print(render_table(result["arms"]))
     if json_out:
         json_out.write_text(to_json(result))

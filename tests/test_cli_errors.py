@@ -53,6 +53,17 @@ CASES: list[tuple[str, list[str], str, list[str]]] = [
      ["none, " + POLICIES]),
     ("shadow-replay-bad-requests", ["shadow-replay", "--requests", "0"], "kvtier shadow-replay",
      ["--requests"]),
+    ("bench-missing-file", ["bench", "{missing}", "--engine-url", "http://127.0.0.1:9", "--model", "m"],
+     "kvtier bench", ["cannot read trace", "missing"]),
+    ("bench-malformed", ["bench", "{bad}", "--engine-url", "http://127.0.0.1:9", "--model", "m"],
+     "kvtier bench", ["cannot read trace", "bad.jsonl:1"]),
+    ("bench-unknown-arm", ["bench", "--engine-url", "http://127.0.0.1:9", "--model", "m", "--arms", "nope"],
+     "kvtier bench", ["baseline, shadow, active"]),
+    ("bench-no-engine-url", ["bench", "--model", "m"], "kvtier bench", ["--engine-url"]),
+    ("bench-engine-down", ["bench", "--engine-url", "http://{busy}", "--model", "m", "--requests", "2"],
+     "kvtier bench", ["cannot reach the engine"]),
+    ("bench-engine-not-a-url", ["bench", "--engine-url", "nope", "--model", "m", "--requests", "2"],
+     "kvtier bench", ["cannot reach the engine", "nope"]),
 ]  # fmt: skip
 
 
