@@ -231,8 +231,9 @@ def test_kvtier_commands_parse_with_the_real_cli() -> None:
         assert ctx.params["listen"] == "0.0.0.0:8787", where
     serve = kvtier_services()["kvtier"]["command"]
     params = group.commands["serve"].make_context("serve", serve[1:]).params
+    token = kvtier_env(kvtier_services()["kvtier"])["KVTIER_API_TOKEN"]  # 0.0.0.0 needs one (from .env)
     s = Settings(mode=params["mode"], actuators=params["actuator"], engine_urls=params["engine_url"],
-                 lmcache_urls=params["lmcache_url"], listen=params["listen"])  # fmt: skip
+                 lmcache_urls=params["lmcache_url"], listen=params["listen"], api_token=token)  # fmt: skip
     assert s.mode == "shadow" and s.actuators == ["lmcache-mp"]
     assert s.engine_urls == ["http://vllm:8000"] and s.lmcache_urls == ["http://lmcache:8080"]
 
