@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.controller.actuators.base import BlockRef, Outcome
 from kvtier.controller.actuators.lmcache_keys import ObjectKey, object_keys
@@ -56,6 +57,12 @@ class GuardMetrics:
         self.net = Gauge("kvtier_guard_last_window_net_hit_chunks",
                          "Simulated L1 hits of admission minus the layer default, last window, chunks.",
                          registry=registry)  # fmt: skip
+        self.periods = Counter("kvtier_guard_measured_periods",
+                               "Periods judged on the layer's own L1-hit counter, by verdict.", ["verdict"],
+                               registry=registry)  # fmt: skip
+        self.k = Gauge("kvtier_guard_calibration_ratio",
+                       "Real L1 hits per simulated default L1 hit, from periods the layer ran its default.",
+                       registry=registry)  # fmt: skip
 
 
 class L1Keeper:
@@ -74,18 +81,22 @@ class L1Keeper:
         delay_s: float = 0.5,
         verify_deadline_s: float = 15.0,
         status_every_s: float = 2.0,
+        measure_every_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.act = actuator
         self.chain_tokens = chain_tokens
         self.is_active = is_active
         self.record = record
-        self.core = AdmissionCore(capacity_chunks, window=window)
+        self.core = AdmissionCore(capacity_chunks, window=window, require_calibration=True)
+        self._core_lock = threading.Lock()  # observe (ingest thread) vs measure (worker)
         self.metrics = GuardMetrics(registry)
         self.metrics.acting.set(1)
         self.delay_s = delay_s
         self.verify_deadline_s = verify_deadline_s
         self.status_every_s = status_every_s
+        self.measure_every_s = measure_every_s
+        self._next_measure = 0.0
         self.clock = clock
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
@@ -101,7 +112,16 @@ class L1Keeper:
         self._last_hash: int | None = None  # last block of the previous event
         self._synced = (0, 0, 0)  # core trips, resumes, windows already exported
         self.counts: dict[str, int] = dict.fromkeys(
-            ("applied", "skipped", "failed", "would_drop", "unmapped_events", "readmitted", "readmit_failed"),
+            (
+                "applied",
+                "skipped",
+                "failed",
+                "would_drop",
+                "unmapped_events",
+                "readmitted",
+                "readmit_failed",
+                "measure_failed",
+            ),
             0,
         )
 
@@ -130,8 +150,9 @@ class L1Keeper:
         if first_new >= len(keys):
             return
         accessed = keys[first_new:] if continues else keys
-        drop = set(self.core.observe([k.chunk_hash_hex for k in accessed]))
-        self._sync_guard()
+        with self._core_lock:
+            drop = set(self.core.observe([k.chunk_hash_hex for k in accessed]))
+            self._sync_guard()
         todo = [k for k in keys[first_new:] if k.chunk_hash_hex in drop]
         # second sight of a chunk we dropped: LMCache serves it from L2 through a temporary L1 copy that it
         # frees after the read, so admission means loading the prefix into L1 ourselves
@@ -201,6 +222,7 @@ class L1Keeper:
                     item = heapq.heappop(self._due)
             try:
                 self._refresh_capacity()
+                self._measure()
                 if item is not None:
                     self._handle(item)
             except Exception:  # noqa: BLE001 - the worker must survive a bad reply
@@ -227,6 +249,30 @@ class L1Keeper:
         if cap > 0 and cap != self.core.capacity:
             self._max_objects = max(self._max_objects, n)
             self.core.set_capacity(cap)
+
+    def _measure(self) -> None:
+        """Every ``measure_every_s``: close a guard period at LMCache's own L1-hit counter (see the core)."""
+        now = self.clock()
+        if now < self._next_measure:
+            return
+        self._next_measure = now + self.measure_every_s
+        try:
+            reply, _ = self.act.caller.request("GET", "/metrics")
+            tokens = l1_hit_tokens(reply.body if reply.status == 200 and isinstance(reply.body, str) else "")
+            chunks = tokens / self.act.chunk_size() if tokens is not None else None
+        except Exception:  # noqa: BLE001 - layer unreachable: this period is not judged
+            chunks = None
+        if chunks is None:
+            self.counts["measure_failed"] += 1
+            return
+        with self._core_lock:
+            verdict = self.core.measure(chunks, layer_active=self.is_active())
+            self.metrics.periods.labels(verdict=verdict).inc()
+            if self.core.k is not None:
+                self.metrics.k.set(self.core.k)
+            if verdict == "harmful":
+                log.warning("guard: LMCache's L1 hits fell below the default's (measured); shadow")
+            self._sync_guard()
 
     def _handle(self, item: tuple[float, int, float, ObjectKey | tuple[int, ...]]) -> None:
         _, _, give_up, key = item
@@ -282,6 +328,22 @@ class L1Keeper:
             "counts": dict(self.counts),
             "guard": self.core.status(),
         }
+
+
+L1_HIT_TOKENS = "lmcache_mp_lookup_hit_l1_tokens"  # LMCache MP's counter (family name, no ``_total``)
+
+
+def l1_hit_tokens(metrics_text: str) -> float | None:
+    """LMCache MP's look-up hits served from L1 (tokens, summed over label sets) in a ``/metrics`` text;
+    None when absent (LMCache creates the family lazily, at its first look-up: then no hits yet -> 0.0 if
+    any other ``lmcache_mp_`` family is there)."""
+    total: float | None = None
+    seen_layer = False
+    for fam in text_string_to_metric_families(metrics_text):
+        seen_layer = seen_layer or fam.name.startswith("lmcache_mp_")
+        if fam.name == L1_HIT_TOKENS:
+            total = sum(x.value for x in fam.samples if x.name.endswith("_total"))
+    return total if total is not None else (0.0 if seen_layer else None)
 
 
 def keeper_hook(keeper: L1Keeper) -> Callable[[int | None, Sequence[int], int], None]:

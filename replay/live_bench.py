@@ -200,15 +200,22 @@ def scrape_counters(url: str, timeout_s: float = 10.0) -> dict[str, float]:
     return out
 
 
-def scrape_labelled(url: str, name: str, timeout_s: float = 10.0) -> dict[str, float]:
-    """One counter's samples keyed by ``action/outcome`` labels (kvtier_actuations_total)."""
+def scrape_labelled(
+    url: str, name: str, timeout_s: float = 10.0, label: str | None = None
+) -> dict[str, float]:
+    """One counter's samples keyed by its ``label`` value, or by ``action/outcome`` labels
+    (kvtier_actuations_total) when no label is named."""
     try:
         text = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout_s).text
     except httpx.HTTPError:
         return {}
     out: dict[str, float] = {}
     for s in parse_families(text).get(name):
-        k = f"{s.labels.get('action', '?')}/{s.labels.get('outcome', '?')}"
+        k = (
+            s.labels.get(label, "?")
+            if label
+            else f"{s.labels.get('action', '?')}/{s.labels.get('outcome', '?')}"
+        )
         out[k] = out.get(k, 0.0) + s.value
     return out
 
@@ -412,7 +419,11 @@ def _guard_counters(url: str | None) -> dict[str, float]:
     if not url:
         return {}
     c = scrape_counters(url)
-    return {k: v for k, v in c.items() if k.startswith("kvtier_guard_") and k.endswith("_total")}
+    out = {k: v for k, v in c.items() if k.startswith("kvtier_guard_") and k.endswith("_total")}
+    for name in ("kvtier_guard_windows_total", "kvtier_guard_measured_periods_total"):  # and by verdict
+        for k, v in scrape_labelled(url, name, label="verdict").items():
+            out[f"{name}{{verdict={k}}}"] = v
+    return out
 
 
 HIT_FIELDS = ("hit_tokens_total", "gpu_hit_tokens", "external_hit_tokens", "l1_hit_tokens", "l2_hit_tokens",
