@@ -15,11 +15,14 @@ Inference (engine-tier events only: ``medium`` None/GPU; offload tiers are stora
 ``timestamp_ms`` comes from the injected clock (seconds -> ms), forced non-decreasing; ``input_length`` =
 blocks x block size; ``output_length`` is unknown (0). Parent links are remembered for at most
 ``max_tracked`` blocks (oldest forgotten first: a chain then starts at the oldest remembered ancestor).
-Pure apart from the clock; the queue is bounded (``max_pending``; overflow is counted, oldest dropped).
+Pure apart from the clock; the queue is bounded in requests (``max_pending``) and in blocks
+(``max_pending_blocks``: one request can carry a chain of thousands of blocks, and the policy falls behind
+exactly when requests flood in); overflow is counted, oldest dropped.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -45,6 +48,7 @@ class RequestInferrer:
         max_tracked: int = 1_000_000,
         max_chain_blocks: int = 8192,
         max_pending: int = 65_536,
+        max_pending_blocks: int = 1 << 20,
     ) -> None:
         self.clock = clock
         self.block_size_tokens = block_size_tokens
@@ -52,6 +56,9 @@ class RequestInferrer:
         self.max_chain_blocks = max_chain_blocks
         self._parent: dict[int, int | None] = {}  # int64 block -> int64 parent (None = root/unknown)
         self._pending: deque[Request] = deque(maxlen=max_pending)
+        self.max_pending_blocks = max_pending_blocks
+        self._pending_blocks = 0  # blocks in the queued requests' chains (under _count_lock)
+        self._count_lock = threading.Lock()  # on_events/submit (event loop) vs drain (tick thread)
         self._last_ms = float("-inf")
         self.counts: dict[str, int] = {"requests": 0, "dropped": 0, "truncated": 0, "skipped_events": 0}
 
@@ -103,20 +110,30 @@ class RequestInferrer:
                 reqs.append((self._chain(parent) + keys, bs))
             self._remember(keys, parent)
         for chain, bs in reqs:
-            if len(self._pending) == self._pending.maxlen:
-                self.counts["dropped"] += 1
-            self._pending.append(
-                Request(t, len(chain) * bs, 0, np.asarray(chain, dtype=np.int64), block_tokens=bs)
-            )
+            self._enqueue(Request(t, len(chain) * bs, 0, np.asarray(chain, dtype=np.int64), block_tokens=bs))
         self.counts["requests"] += len(reqs)
         return len(reqs)
 
+    def _enqueue(self, req: Request) -> None:
+        """Append, dropping the oldest requests (counted) past either bound."""
+        n = int(req.hash_ids.shape[0])
+        with self._count_lock:
+            pend = self._pending
+            while pend and (len(pend) == pend.maxlen or self._pending_blocks + n > self.max_pending_blocks):
+                self._pending_blocks -= int(pend.popleft().hash_ids.shape[0])
+                self.counts["dropped"] += 1
+            pend.append(req)
+            self._pending_blocks += n
+
+    @property
+    def pending_blocks(self) -> int:
+        """Blocks in the queued requests."""
+        return self._pending_blocks
+
     def submit(self, req: Request) -> None:
         """Queue an already request-shaped access (trace replay feeds this)."""
-        if len(self._pending) == self._pending.maxlen:
-            self.counts["dropped"] += 1
         self._last_ms = max(self._last_ms, float(req.timestamp_ms))
-        self._pending.append(req)
+        self._enqueue(req)
         self.counts["requests"] += 1
 
     def drain(self, max_requests: int | None = None) -> list[Request]:
@@ -124,9 +141,9 @@ class RequestInferrer:
         concurrent :meth:`on_events`)."""
         out: list[Request] = []
         pop = self._pending.popleft
-        while self._pending and (max_requests is None or len(out) < max_requests):
-            try:
-                out.append(pop())
-            except IndexError:
-                break
+        with self._count_lock:
+            while self._pending and (max_requests is None or len(out) < max_requests):
+                req = pop()
+                self._pending_blocks -= int(req.hash_ids.shape[0])
+                out.append(req)
         return out

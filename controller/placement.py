@@ -52,11 +52,13 @@ class PolicyPlacement:
         self._epoch: object = None  # index epoch (slot reuse) the cached rows were resolved under
         self._row_slot = np.zeros(0, np.int32)  # index row -> policy slot (-1: not cached)
         self._warm_version: object = None  # policy refit count its memoised scores were warmed for
-        # the last observe window: evictions drained (oldest first) / blocks requested -> row (-1 unknown)
-        self.victims: list[int] = []
+        # the last observe window: blocks requested -> index row (-1 unknown)
         self.touched: dict[int, int] = {}
-        self._victims: list[int] = []  # accumulating for the next window
-        self._touched: dict[int, int] = {}
+        self._touched: dict[int, int] = {}  # accumulating for the next window
+        # bounds that keep a flood of requests from stalling the tick or growing memory:
+        self.max_observe_feed = 1024  # requests the tick's observe serves (~0.4 ms each, learned)
+        self.max_touched = 1 << 18  # distinct requested blocks remembered per window (~40 MB at most)
+        self.touched_dropped = 0  # requested blocks not remembered because a window was full
         self.max_carry = 65_536  # requested blocks not in the index yet, carried between windows
         self.lookup: Callable[[int], int] | None = None  # block -> index row (-1 unknown), set by the loop
         # guards the policy object: the tick (worker thread) and the ingest path (event loop) both use it
@@ -124,20 +126,26 @@ class PolicyPlacement:
             hit = pol.access(req)
             self.block_accesses += int(hit.shape[0])
             self.block_hits += int(np.count_nonzero(hit))
-            ev = pol.drain_evicted()
-            for v in ev:
+            for v in pol.drain_evicted():
                 self._drop(v)
-            self._victims.extend(ev)
             ids = req.hash_ids.tolist()
+            room = self.max_touched - len(touched)
             for b in ids:
                 if b not in touched:
+                    if room <= 0:
+                        self.touched_dropped += 1
+                        continue
                     touched[b] = lookup(b) if lookup is not None else -1
+                    room -= 1
             held = contains_many(req.hash_ids).tolist() if contains_many else [pol.contains(b) for b in ids]
             if any(held):
                 cur = desired.get_list(ids, -2)  # -2: not in the desired set yet
                 for b, h, c in zip(ids, held, cur, strict=True):
                     if h and c == -2:
-                        self._add(b, touched[b])  # (a block repeated in the request: added again, idempotent)
+                        row = touched.get(b)  # the row looked up above (None: the window was full)
+                        if row is None:
+                            row = lookup(b) if lookup is not None else -1
+                        self._add(b, row)  # (a block repeated in the request: added again, idempotent)
             self.served += 1
             done += 1
         if done:
@@ -176,12 +184,16 @@ class PolicyPlacement:
         return self.desired.items()[0]
 
     def observe(self) -> None:
-        """Tick side (call with :attr:`lock` held): serve whatever is still queued, then start a new
-        accumulation window. :attr:`touched` / :attr:`victims` then hold the blocks requested / evicted
-        since the previous observe, :attr:`desired` the policy's resident set now."""
-        self._feed(None)
+        """Tick side (call with :attr:`lock` held): serve the requests queued when it is called (at most
+        :attr:`max_observe_feed`), then start a new accumulation window. :attr:`touched` then holds the
+        blocks requested since the previous observe, :attr:`desired` the policy's resident set now.
+
+        Bounded, not "until empty": requests keep arriving on the ingest path while the tick feeds them,
+        and when they arrive faster than the policy serves them, feeding until empty never returns -- the
+        tick stalls and the window's accumulators grow with every block seen. The rest stays queued for
+        the ingest path and the loop's between-tick feeding (:meth:`feed`)."""
+        self._feed(min(len(self.requests), self.max_observe_feed))
         self.touched, self._touched = self._touched, {}
-        self.victims, self._victims = self._victims, []
 
     def touched_rows(
         self, hashes: npt.NDArray[np.int64], lookup: Callable[[int], int]
@@ -287,6 +299,8 @@ class PolicyPlacement:
             "block_accesses": self.block_accesses,
             "block_hits": self.block_hits,
             "requests_pending": len(self.requests),
+            "blocks_pending": self.requests.pending_blocks,
+            "touched_dropped": self.touched_dropped,  # a window's requested-block memory was full
             "inferred": dict(self.requests.counts),
             "errors": self.errors,
             "restarts": self.restarts,  # restarted empty at the per-block bound (max_slots)

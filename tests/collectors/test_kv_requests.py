@@ -46,3 +46,18 @@ def test_bounded_memory_and_queue() -> None:
     assert inf.counts["dropped"] == 1 and len(reqs) == 2  # oldest request dropped, counted
     # 3 links remembered (3->2, 4->3, 5->4): the chain stops at the parent named by the oldest link
     assert reqs[-1].hash_ids.tolist() == [2, 3, 4, 5, 6]
+
+
+def test_queue_is_bounded_in_blocks_too() -> None:
+    """Long chains: the queue keeps at most ``max_pending_blocks`` blocks, dropping the oldest requests
+    (counted); the block count follows every enqueue and drain."""
+    inf = RequestInferrer(clock=lambda: 1.0, max_pending=100, max_pending_blocks=10)
+    inf.on_events([BlockStored(block_hashes=list(range(1, 7)), block_size=16)])  # 6 blocks
+    inf.on_events([BlockStored(block_hashes=list(range(11, 15)), block_size=16)])  # +4 = 10: fits
+    assert inf.pending_blocks == 10 and inf.counts["dropped"] == 0
+    inf.on_events([BlockStored(block_hashes=[21, 22], block_size=16)])  # 12 > 10: the oldest (6) goes
+    assert inf.counts["dropped"] == 1 and inf.pending_blocks == 6 and len(inf) == 2
+    assert [r.hash_ids.tolist() for r in inf.drain(1)] == [[11, 12, 13, 14]]
+    assert inf.pending_blocks == 2
+    inf.drain()
+    assert inf.pending_blocks == 0 and len(inf) == 0

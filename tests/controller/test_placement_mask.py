@@ -66,3 +66,46 @@ def test_desired_mask_tracks_the_policy_through_late_and_recycled_rows(name: str
         want = {int(rows.hashes[r]) for r in np.flatnonzero(mask).tolist()}
         assert want == {b for b in held if rows.lookup(b) >= 0}, f"step {step}"
     assert rows.epoch > 0 and len(held) > 20
+
+
+def test_observe_serves_only_what_was_queued_when_requests_outpace_the_policy() -> None:
+    """The tick's observe feeds the requests queued when it starts, then closes the window, even while
+    new requests keep arriving faster than the policy serves them (here: every access enqueues the next
+    request, as the ingest path does concurrently). Feeding "until empty" never returned under such a
+    flood: the tick stalled and its window accumulators grew with every block seen."""
+    pl = PolicyPlacement("lru", 8, seed=1)
+    pol = pl.policy
+    served: list[int] = []
+    access = pol.access
+    nxt = [1000]
+
+    def access_and_arrive(req: Request) -> np.ndarray:
+        served.append(int(req.hash_ids[0]))
+        if nxt[0] < 1200:  # bounded, so that a feed-until-empty fails here instead of hanging
+            pl.requests.submit(Request(float(nxt[0]), 16, 0, np.array([nxt[0]], np.int64), block_tokens=16))
+            nxt[0] += 1
+        return access(req)
+
+    pol.access = access_and_arrive  # type: ignore[method-assign]
+    for b in range(5):
+        pl.requests.submit(Request(float(b), 16, 0, np.array([b], np.int64), block_tokens=16))
+    with pl.lock:
+        pl.observe()
+    assert served == [0, 1, 2, 3, 4]  # exactly the five queued at the call
+    assert sorted(pl.touched) == [0, 1, 2, 3, 4]
+    assert len(pl.requests) == 5  # the arrivals wait for the next feed
+    with pl.lock:
+        pl.observe()
+    assert served[5:] == [1000, 1001, 1002, 1003, 1004]
+    assert sorted(pl.touched) == [1000, 1001, 1002, 1003, 1004]
+
+
+def test_a_window_remembers_a_bounded_number_of_requested_blocks() -> None:
+    pl = PolicyPlacement("lru", 8, seed=1)
+    pl.max_touched = 5
+    pl.requests.submit(Request(0.0, 64, 0, np.arange(4, dtype=np.int64), block_tokens=16))
+    pl.requests.submit(Request(1.0, 64, 0, np.arange(2, 6, dtype=np.int64), block_tokens=16))
+    with pl.lock:
+        pl.observe()
+    assert sorted(pl.touched) == [0, 1, 2, 3, 4]  # block 5 found the window full
+    assert pl.touched_dropped == 1 and pl.info()["touched_dropped"] == 1
