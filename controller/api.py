@@ -170,7 +170,7 @@ def build_router(ctx: ControlContext) -> APIRouter:
     @r.get("/v1/policy", response_model=PolicyDoc, tags=["policy"])
     def get_policy() -> PolicyDoc:
         """The active policy (or the one pending for the next tick)."""
-        return loop._pending_policy or loop.policy
+        return loop.next_policy
 
     def _apply(doc: PolicyDoc) -> PolicyDoc:
         ctx.store.put_json("policy", doc.model_dump(mode="json"))
@@ -186,7 +186,7 @@ def build_router(ctx: ControlContext) -> APIRouter:
     def patch_policy(patch: dict[str, Any]) -> PolicyDoc:
         """Merge a partial policy (objects merge, lists replace), validate, apply at the next tick."""
         try:
-            doc = (loop._pending_policy or loop.policy).merged(patch)
+            doc = (loop.next_policy).merged(patch)
         except ValidationError as e:
             raise _validation_422(e) from e
         return _apply(doc)

@@ -36,11 +36,14 @@ class PolicyPlacement:
     """Owns one policy object, its request queue and the desired resident set of ``tier``."""
 
     def __init__(self, name: str, capacity_blocks: int, *, tier: Tier = Tier.CPU, seed: int = 0,
-                 inferrer: RequestInferrer | None = None, policy: Policy | None = None) -> None:  # fmt: skip
+                 inferrer: RequestInferrer | None = None, policy: Policy | None = None,
+                 options: dict[str, Any] | None = None) -> None:  # fmt: skip
         self.name = name
         self.tier = tier
         self.seed = seed
-        self.policy = policy if policy is not None else get_policy(name, capacity_blocks, seed=seed)
+        self.policy = (
+            policy if policy is not None else get_policy(name, capacity_blocks, seed=seed, **(options or {}))
+        )
         if self.policy.offline:
             raise ValueError(f"policy {name!r} needs the future (replay only); pick an online policy")
         self.requests = inferrer if inferrer is not None else RequestInferrer()

@@ -17,7 +17,9 @@ def serve(
     ),
     listen: str = typer.Option(None, "--listen", help="HOST:PORT to serve on [127.0.0.1:8787]."),
     config: Path = typer.Option(
-        None, "--config", help="Config file (JSON or TOML); KVTIER_* env overrides it."
+        None,
+        "--config",
+        help="Config file: YAML (.yaml/.yml), JSON (.json) or TOML; KVTIER_* env overrides it.",
     ),
     mode: str = typer.Option(None, "--mode", help="off | shadow | active [persisted policy; shadow]."),
     actuator: list[str] = typer.Option(
@@ -56,8 +58,8 @@ def serve(
             state_dir=str(state_dir) if state_dir else None, log_json=log_json, policy=policy,
             policy_tier=policy_tier,
         )  # fmt: skip
-        host, port = settings.listen_host_port
-        configure_logging(settings.log_level, json_lines=settings.log_json)
+        host, port = settings.serve.listen_host_port
+        configure_logging(settings.serve.log_level, json_lines=settings.serve.log_json)
         sidecar = ControlledSidecar(settings, reset_state=reset_state)
     except (PeerNotAvailable, ValueError, OSError) as exc:
         fail(describe(exc))
@@ -71,7 +73,7 @@ def serve(
     # collections would otherwise cost tens of ms each (a tick-latency spike when one lands in a tick)
     gc.freeze()
     # log_config=None: uvicorn keeps configure_logging's handler (JSON lines, quiet probe paths)
-    uvicorn.run(app, host=host, port=port, log_level=settings.log_level.lower(), log_config=None)
+    uvicorn.run(app, host=host, port=port, log_level=settings.serve.log_level.lower(), log_config=None)
 
 
 def register(app: typer.Typer) -> None:

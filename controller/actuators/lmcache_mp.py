@@ -90,6 +90,8 @@ class LMCacheMPActuator(Actuator):
 
     name = "lmcache-mp"
     token_addressed = True  # one ref's keys are the chunks of its prefix, not its layer_key
+    tiers = frozenset({Tier.CPU, Tier.DISK})  # L1 (DRAM) and L2 (fs)
+    refreshes_pins = True  # pins are emulated by re-prefetching (refresh_pins)
 
     def __init__(
         self,

@@ -23,14 +23,16 @@ METRICS_MD = Path(__file__).resolve().parents[2] / "dashboards" / "METRICS.md"
 def _sidecar(tmp_path: Path) -> ControlledSidecar:
     down = "http://127.0.0.1:9"
     return ControlledSidecar(
-        Settings(
-            engine_urls=[down],
-            engine_model="tiny",
-            lmcache_urls=[down],
-            mooncake_urls=[down],
-            state_dir=str(tmp_path),
-            policy="learned",
-        )  # fmt: skip
+        Settings.model_validate(
+            dict(
+                engine_urls=[down],
+                engine_model="tiny",
+                lmcache_urls=[down],
+                mooncake_urls=[down],
+                state_dir=str(tmp_path),
+                policy="learned",
+            )
+        )
     )
 
 

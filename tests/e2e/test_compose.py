@@ -22,7 +22,7 @@ from typer.core import TyperGroup
 
 from kvtier.controller import demo as demo_cli
 from kvtier.controller import serve as serve_cli
-from kvtier.controller.settings import Settings, load_settings
+from kvtier.controller.settings import FLAT_ENV, Settings, load_settings
 from tests.peers.procs import free_port, start, stop, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -208,12 +208,12 @@ def test_every_kvtier_env_var_loads_into_settings(monkeypatch: pytest.MonkeyPatc
         for k in [k for k in os.environ if k.startswith("KVTIER_")]:
             monkeypatch.delenv(k)
         for k, v in env.items():
-            assert k.removeprefix("KVTIER_").lower() in Settings.model_fields, f"{where}: {k} is no setting"
+            assert k.removeprefix("KVTIER_").lower() in FLAT_ENV, f"{where}: {k} is no setting"
             monkeypatch.setenv(k, v)
         s = load_settings()
-        assert s.state_dir == "/var/lib/kvtier", where
+        assert s.serve.state_dir == "/var/lib/kvtier", where
         if where == "kvtier":
-            assert s.tier_paths == {"disk": "/mnt/kv-l2"}
+            assert s.collectors.tier_paths == {"disk": "/mnt/kv-l2"}
 
 
 def test_kvtier_commands_parse_with_the_real_cli() -> None:
@@ -231,10 +231,19 @@ def test_kvtier_commands_parse_with_the_real_cli() -> None:
         assert ctx.params["listen"] == "0.0.0.0:8787", where
     serve = kvtier_services()["kvtier"]["command"]
     params = group.commands["serve"].make_context("serve", serve[1:]).params
-    s = Settings(mode=params["mode"], actuators=params["actuator"], engine_urls=params["engine_url"],
-                 lmcache_urls=params["lmcache_url"], listen=params["listen"])  # fmt: skip
-    assert s.mode == "shadow" and s.actuators == ["lmcache-mp"]
-    assert s.engine_urls == ["http://vllm:8000"] and s.lmcache_urls == ["http://lmcache:8080"]
+    s = Settings.model_validate(
+        dict(
+            mode=params["mode"],
+            actuators=params["actuator"],
+            engine_urls=params["engine_url"],
+            lmcache_urls=params["lmcache_url"],
+            listen=params["listen"],
+        )
+    )
+    assert s.serve.mode == "shadow" and [a.kind for a in s.actuators] == ["lmcache-mp"]
+    assert s.collectors.engine_urls == ["http://vllm:8000"] and s.collectors.lmcache_urls == [
+        "http://lmcache:8080"
+    ]
 
 
 def test_compose_kvtier_serve_starts() -> None:
