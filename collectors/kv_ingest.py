@@ -15,6 +15,12 @@ removed it (vLLM's docs ask consumers to reference-count repeated announcements)
 * An event whose ``medium`` is not a known tier spelling is skipped and counted (``unknown_medium``), never
   mapped to a guessed tier (the decoder already drops them; this guards direct callers).
 
+Bounds (a flood of forged or runaway events must not grow memory without limit): an event with more than
+``max_hashes_per_event`` hashes is skipped and counted (``oversized_events``); blocks believed resident, all
+tiers together, never exceed the index's own bound (``index.max_blocks``, ``KVTIER_INDEX_MAX_BLOCKS``) -- a
+store of blocks that would pass it is skipped and counted (``residency_skipped``) before it reaches the index,
+so the full-index case costs what a normal store costs.
+
 Times passed to the index are milliseconds (publisher batch ``ts`` * 1000). Residency (the reference counts
 behind :meth:`KvIngestor.blocks_tracked`) is updated immediately; index updates are queued and applied in bulk
 (:mod:`kvtier.policies.index_bulk`) every ``flush_every`` operations and on :meth:`KvIngestor.flush` --
@@ -74,6 +80,8 @@ class SourceCounts:
     blocks_cleared: int = 0  # hashes dropped by AllBlocksCleared or a restart
     accesses_inferred: int = 0  # index touches from parent chains and hit reports
     unknown_medium: int = 0  # events skipped because their medium is not a known tier spelling
+    oversized_events: int = 0  # events skipped for carrying more than max_hashes_per_event hashes
+    residency_skipped: int = 0  # newly stored hashes not tracked: residency was at its bound
 
 
 class BatchSink(Protocol):
@@ -87,9 +95,15 @@ class KvIngestor:
     """Applies decoded KV-event batches to a :class:`~kvtier.policies.index.BlockIndex`, then notifies its
     :attr:`sinks`."""
 
-    def __init__(self, index: BlockIndex | None = None, *, flush_every: int = 16384) -> None:
+    def __init__(
+        self, index: BlockIndex | None = None, *, flush_every: int = 16384, max_hashes_per_event: int = 16384
+    ) -> None:
         self.index = index if index is not None else BlockIndex()
         self.flush_every = flush_every
+        self.max_hashes_per_event = max_hashes_per_event
+        # all tiers together, tied to the index's bound (the one configured bound; unbounded index: no cap)
+        mb = self.index.max_blocks
+        self.max_resident = int(mb) if mb is not None else 1 << 62
         self._q = OpQueue()
         self._held: dict[str, dict[Tier, set[int]]] = {}  # source -> tier -> u64 hashes
         # reference counts per (tier, hash): held by >= 1 source (set) + holders beyond the first (dict)
@@ -124,6 +138,10 @@ class KvIngestor:
         """Blocks believed resident per tier (lowercase tier names), from the reference counts."""
         return {t.value: len(self._res[t]) for t in TIER_ORDER}
 
+    def resident_total(self) -> int:
+        """Distinct (tier, block) pairs believed resident (bounded by :attr:`max_resident`)."""
+        return sum(len(s) for s in self._res.values())
+
     def held(self, source: str, tier: Tier = Tier.GPU) -> int:
         return len(self._held.get(source, {}).get(tier, ()))
 
@@ -153,8 +171,12 @@ class KvIngestor:
         run: list[int] = []  # hashes of consecutive BlockRemoved events of one medium, applied together
         run_medium: object = _NONE
         run_tr: tuple[Tier, int] | None = None  # (tier, rank) of run_medium; None = unknown spelling
+        cap = self.max_hashes_per_event
         for e in events:
             te = type(e)
+            if te is not AllBlocksCleared and len(e.block_hashes) > cap:  # type: ignore[union-attr]
+                c.oversized_events += 1
+                continue
             if te is BlockRemoved:
                 m = e.medium
                 if m != run_medium:
@@ -211,6 +233,14 @@ class KvIngestor:
             q.add(TOUCH_CHAIN, pkey, None, rank, t_ms)
             c.accesses_inferred += 1
         new = set(hs)
+        if self.resident_total() + len(new) > self.max_resident:
+            new -= res  # only hashes no source holds yet would grow residency
+            if self.resident_total() + len(new) > self.max_resident:
+                c.residency_skipped += len(new)
+                hs = [k for k in hs if k in res]  # hits on what is tracked still count
+                if not hs:
+                    return
+                new = set(hs)
         if len(new) == len(hs) and res.isdisjoint(new):
             # common case: all new blocks, held by no source (mine is a subset of res) -> one chain
             mine |= new

@@ -17,6 +17,15 @@
   dropped and counted as a ``sequence`` collector error. A new process start time (:meth:`note_engine_start`)
   is a restart too, and confirms a held seq-0 batch. Cost: after a real gap or restart, the first batch waits
   for the next one (or, for a restart, the next ``/metrics`` scrape).
+* The receive loop never holds the event loop for long: it yields after every ``yield_every_s`` of work (the
+  API, ``/healthz`` and the reconcile loop stay responsive during a flood, and a cancellation -- SIGTERM --
+  lands within one slice). The backlog is bounded by ZMQ: ``RCVHWM`` messages queue in our socket and a
+  publisher facing a full queue drops batches, which show up here as sequence gaps (counted in ``lost``);
+  ``MAXMSGSIZE`` makes ZMQ drop a connection sending an oversized frame before it is buffered.
+* Who can publish: a SUB that *binds* a TCP port (vLLM's connect-style endpoints) accepts frames from any
+  process that can reach that port. Prefer an ``ipc://`` endpoint in a directory only the engine and the
+  sidecar can write (file permissions gate who can connect), or a loopback-only TCP endpoint that vLLM binds;
+  the stream position (``next_seq``) is only shown to callers holding the API token.
 * Malformed frames / events, events with an unknown ``medium`` (kind ``unknown_medium``) and unconfirmed
   sequence jumps are counted in ``kvtier_collector_errors_total{collector}`` and skipped.
 """
@@ -140,6 +149,9 @@ class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
         replay_timeout_s: float = 2.0,
         max_seq_gap: int = 10_000,
         timeout_s: float = 5.0,
+        rcvhwm: int = 10_000,
+        max_msg_bytes: int = 64 << 20,
+        yield_every_s: float = 0.005,
     ) -> None:
         """``max_seq_gap``: the largest seq step (batches) from a held out-of-sequence batch to the next frame
         that still confirms it (vLLM buffers 10,000 batches for replay by default)."""
@@ -150,6 +162,10 @@ class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
         self.engine_host = urlsplit(base_url).hostname or "127.0.0.1"
         self.replay_timeout_s = replay_timeout_s
         self.max_seq_gap = max_seq_gap
+        self.rcvhwm = rcvhwm  # messages queued per socket before the publisher drops (a counted gap)
+        self.max_msg_bytes = max_msg_bytes  # ZMQ refuses larger frames (bytes)
+        self.yield_every_s = yield_every_s  # longest stretch of event work between event-loop yields
+        self.yields = 0  # times the receive loop gave the event loop back mid-backlog
         self._states: dict[int, _SourceState] = {}
         self._engine_start: float | None = None
         self._lost_total = 0  # survive socket reconfiguration
@@ -240,7 +256,8 @@ class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
                 continue
             how, addr = subscriber_plan(src.endpoint, self.engine_host)
             sock = self.ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_msg_bytes)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
             try:
@@ -274,17 +291,23 @@ class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
                 socks[st.sub] = st
             self._wake.clear()
             ready = await poller.poll(timeout=200)
+            t0 = time.monotonic()
             for sock, _ in ready:
                 got = socks.get(sock)
                 if got is None or got.sub.closed:
                     continue
                 st = got
-                while True:
+                while not st.sub.closed:
                     try:
                         frames = await st.sub.recv_multipart(flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     await self.handle(st.src.dp_rank, frames)
+                    if time.monotonic() - t0 >= self.yield_every_s:
+                        self.ingestor.flush()  # bounded: at most one slice of queued index updates
+                        await asyncio.sleep(0)  # let the API, the loop and cancellation in
+                        self.yields += 1
+                        t0 = time.monotonic()
             if ready:
                 self.ingestor.flush()  # queued index updates -> BlockIndex once the sockets are drained
 

@@ -2,13 +2,21 @@
 
 Mount with :func:`add_control_routes` on the sidecar's app (collectors' ``controller.app``). Every mutation
 needs ``Authorization: Bearer <token>`` when a token is configured (``KVTIER_API_TOKEN``): 401 when missing,
-403 when wrong. Validation errors are 422 with a ``detail`` list naming the field and the reason.
+403 when wrong -- checked by :class:`~kvtier.controller.guard.RequestGuard` before the body is read, together
+with the body-size limit, the Host allow-list and JSON-only mutations. Validation errors are 422 with a
+``detail`` list naming the field and the reason (never echoing the input). Every mutation writes the state
+database first and changes memory only after the write succeeded (503 when it fails); policy updates are
+serialised by a lock so concurrent PATCHes of different fields all survive. ``mode: active`` is refused (403)
+unless the process was started with active allowed (``--allow-active`` / ``--mode active``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
+import sqlite3
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -16,15 +24,18 @@ from typing import Annotated, Any, Literal
 
 import httpx
 import numpy as np
-from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Path, Query, Response
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvtier.controller.guard import RequestGuard
 from kvtier.controller.loop import ReconcileLoop, block_key_hex
 from kvtier.controller.model import ModelManager
 from kvtier.controller.pins import Pin
 from kvtier.controller.policy_doc import PolicyDoc
-from kvtier.controller.store import StateStore
+from kvtier.controller.store import StateStore, StoreError
 from kvtier.policies.index import to_key
 from kvtier.policies.prefix_hash import block_hashes
 from kvtier.policies.tiers import TIER_ORDER, Tier
@@ -45,7 +56,9 @@ class PinRequest(BaseModel):
         default=None, min_length=1, max_length=1_000_000
     )
     block_hash: str | int | None = Field(
-        default=None, description="16 hex digits (or 0x-prefixed) or a decimal uint64"
+        default=None,
+        description="16 hex digits (or 0x-prefixed) or a decimal uint64",
+        union_mode="left_to_right",
     )
     tier: Tier = Field(default=Tier.GPU, description="gpu, cpu, disk or remote")
     ttl_s: float | None = Field(
@@ -57,10 +70,29 @@ class PinRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_of(self) -> PinRequest:
+        if self.prompt is not None and not _utf8(self.prompt):
+            raise ValueError("prompt is not valid UTF-8 text (lone surrogate)")
+        if self.model is not None and not _utf8(self.model):
+            raise ValueError("model is not valid UTF-8 text (lone surrogate)")
+        if isinstance(self.block_hash, str) and len(self.block_hash) > 40:
+            raise ValueError("block_hash is longer than 40 characters")
         given = [k for k in ("prompt", "token_ids", "block_hash") if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of prompt, token_ids, block_hash (got {given or 'none'})")
         return self
+
+
+def _utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _safe_text(v: Any, limit: int = 200) -> str:
+    """Any value -> printable, UTF-8-encodable text of at most ``limit`` characters (for error messages)."""
+    return str(v).encode("utf-8", "backslashreplace").decode("utf-8")[:limit]
 
 
 def parse_block_hash(v: str | int) -> int:
@@ -96,9 +128,32 @@ class ControlContext:
         tokenizer: Tokenizer | None = None,
         engine_model: str = "",
         clock: Callable[[], float] = time.time,
+        allow_active: bool = False,
+        allowed_hosts: frozenset[str] | None = None,
+        max_body_bytes: int = 1 << 20,
+        max_inflight: int = 64,
+        max_pins: int = 1024,
+        max_pinned_tokens: int = 1 << 20,
+        max_pin_tokens: int = 131_072,
+        registry: CollectorRegistry | None = None,
     ) -> None:
+        """``allow_active``: the API may set ``mode: active`` (else 403); ``allowed_hosts``: the Host
+        allow-list (None = any Host; ``kvtier serve`` derives it from ``--listen``); the ``max_*`` caps
+        bound request bodies (bytes), concurrent requests, pins, and pinned token ids (all pins / one pin)."""
+        if api_token is not None and not api_token.strip():
+            raise ValueError("api token is empty or whitespace")
         self.loop, self.store, self.models = loop, store, models
         self.api_token = api_token or None
+        self.allow_active = allow_active
+        self.allowed_hosts = allowed_hosts
+        self.max_body_bytes = max_body_bytes
+        self.max_inflight = max_inflight
+        self.max_pins = max_pins
+        self.max_pinned_tokens = max_pinned_tokens
+        self.max_pin_tokens = max_pin_tokens
+        self.registry = registry
+        self.policy_lock = threading.Lock()  # serialises policy read-modify-write (PATCH/PUT)
+        self.pin_lock = threading.Lock()  # serialises the pin caps check with the insert
         self.tokenizer = tokenizer
         self.engine_model = engine_model
         self.clock = clock
@@ -108,10 +163,17 @@ class ControlContext:
         doc = self.store.get_json("policy")
         if doc is not None:
             try:
-                self.loop.set_policy(PolicyDoc.model_validate(doc))
+                pd = PolicyDoc.model_validate(doc)
+                if pd.mode == "active" and not self.allow_active:
+                    log.warning(
+                        "persisted policy says mode active but active is not allowed: starting in shadow"
+                    )
+                    pd = pd.model_copy(update={"mode": "shadow"})
+                self.loop.set_policy(pd)
             except ValidationError as e:
+                self.store.errors["row"] += 1
                 log.error("persisted policy is invalid, keeping defaults: %s", e)
-        for p in self.store.load_pins():
+        for p in self.store.load_pins()[: self.max_pins]:
             self.loop.pins.add(p)
             if p.token_ids is not None and p.block_size:
                 self.loop.tokens.add_chain(p.blocks, p.token_ids, p.block_size)
@@ -155,8 +217,12 @@ def _validation_422(e: ValidationError) -> HTTPException:
     return HTTPException(
         422,
         [
-            {"loc": list(err["loc"]), "msg": err["msg"], "type": err["type"]}
-            for err in e.errors(include_url=False)
+            {
+                "loc": [x if isinstance(x, int) else _safe_text(x, 80) for x in err["loc"]],
+                "msg": _safe_text(err["msg"]),
+                "type": err["type"],
+            }
+            for err in e.errors(include_url=False)[:20]
         ],
     )
 
@@ -173,6 +239,12 @@ def build_router(ctx: ControlContext) -> APIRouter:
         return loop.next_policy
 
     def _apply(doc: PolicyDoc) -> PolicyDoc:
+        """Caller holds ``ctx.policy_lock``. Database first, then memory."""
+        current = loop.next_policy
+        if doc.mode == "active" and current.mode != "active" and not ctx.allow_active:
+            raise HTTPException(
+                403, "mode active is not allowed: start kvtier with --allow-active (or --mode active)"
+            )
         ctx.store.put_json("policy", doc.model_dump(mode="json"))
         loop.set_policy(doc)
         return doc
@@ -180,16 +252,18 @@ def build_router(ctx: ControlContext) -> APIRouter:
     @r.put("/v1/policy", response_model=PolicyDoc, tags=["policy"], dependencies=[auth])
     def put_policy(doc: PolicyDoc) -> PolicyDoc:
         """Replace the whole policy; it takes effect at the next tick boundary."""
-        return _apply(doc)
+        with ctx.policy_lock:
+            return _apply(doc)
 
     @r.patch("/v1/policy", response_model=PolicyDoc, tags=["policy"], dependencies=[auth])
     def patch_policy(patch: dict[str, Any]) -> PolicyDoc:
         """Merge a partial policy (objects merge, lists replace), validate, apply at the next tick."""
-        try:
-            doc = (loop.next_policy).merged(patch)
-        except ValidationError as e:
-            raise _validation_422(e) from e
-        return _apply(doc)
+        with ctx.policy_lock:
+            try:
+                doc = loop.next_policy.merged(patch)
+            except ValidationError as e:
+                raise _validation_422(e) from e
+            return _apply(doc)
 
     # -- pins ----------------------------------------------------------------------------------------------
     @r.get("/v1/pins", tags=["pins"])
@@ -218,14 +292,28 @@ def build_router(ctx: ControlContext) -> APIRouter:
                 )
             try:
                 tokens = await ctx.tokenizer(req.prompt, model)
-            except (httpx.HTTPError, KeyError, ValueError) as e:
-                raise HTTPException(503, f"engine /tokenize failed: {type(e).__name__}: {e}") from e
+            except (httpx.HTTPError, KeyError, ValueError, TypeError) as e:
+                raise HTTPException(
+                    503, f"engine /tokenize failed: {type(e).__name__}: {_safe_text(e)}"
+                ) from e
             source = "prompt"
         elif req.token_ids is not None:
-            tokens = list(req.token_ids)
+            tokens = req.token_ids
             source = "token_ids"
         else:
             source = "block_hash"
+        if tokens is not None and len(tokens) > ctx.max_pin_tokens:
+            raise HTTPException(
+                422,
+                [
+                    {
+                        "loc": ["body", source],
+                        "type": "value_error",
+                        "msg": f"prefix has {len(tokens)} tokens, more than one pin may hold "
+                        f"({ctx.max_pin_tokens}; KVTIER_MAX_PIN_TOKENS)",
+                    }
+                ],
+            )
         if tokens is not None:
             if len(tokens) < bs:
                 raise HTTPException(
@@ -239,7 +327,12 @@ def build_router(ctx: ControlContext) -> APIRouter:
                         }
                     ],
                 )
-            blocks = [to_key(h) for h in block_hashes(tokens, bs)]
+            toks = tokens
+
+            def _hash() -> list[int]:
+                return [to_key(h) for h in block_hashes(toks, bs)]
+
+            blocks = await asyncio.to_thread(_hash)  # ~1 s per 100k tokens: never on the event loop
             tokens = tokens[: len(blocks) * bs]
         else:
             assert req.block_hash is not None
@@ -260,20 +353,35 @@ def build_router(ctx: ControlContext) -> APIRouter:
             block_size=bs if tokens else 0,
             model=model,
         )
+        await asyncio.to_thread(_commit_pin, pin)
         if tokens is not None:
             loop.tokens.add_chain(blocks, tokens, bs)
-        loop.pins.add(pin)
-        ctx.store.save_pin(pin)
         loop.wake()
         return pin.to_dict()
 
+    def _commit_pin(pin: Pin) -> None:
+        """Check the caps, write the database, then add to memory (one lock: the caps hold under races)."""
+        with ctx.pin_lock:
+            if len(loop.pins) >= ctx.max_pins:
+                raise HTTPException(
+                    409, f"pin limit reached ({ctx.max_pins}; KVTIER_MAX_PINS): delete some first"
+                )
+            if pin.num_tokens and loop.pins.total_tokens() + pin.num_tokens > ctx.max_pinned_tokens:
+                raise HTTPException(
+                    409, f"pinned token limit reached ({ctx.max_pinned_tokens}; KVTIER_MAX_PINNED_TOKENS)"
+                )
+            ctx.store.save_pin(pin)
+            loop.pins.add(pin)
+
     @r.delete("/v1/pins/{pin_id}", status_code=204, tags=["pins"], dependencies=[auth])
     def delete_pin(pin_id: Annotated[str, Path(max_length=64)]) -> Response:
-        p = loop.pins.remove(pin_id)
-        if p is None:
-            raise HTTPException(404, f"no pin {pin_id!r}")
-        ctx.store.delete_pin(pin_id)
-        loop.pinned_at_layer.difference_update(p.blocks)
+        with ctx.pin_lock:
+            if loop.pins.get(pin_id) is None:
+                raise HTTPException(404, f"no pin {_safe_text(pin_id)!r}")
+            ctx.store.delete_pin(pin_id)  # database first: a failed write leaves the pin in place
+            p = loop.pins.remove(pin_id)
+        if p is not None:
+            loop.pinned_at_layer.difference_update(p.blocks)
         return Response(status_code=204)
 
     @r.delete("/v1/pins", status_code=204, tags=["pins"], dependencies=[auth])
@@ -381,10 +489,36 @@ def add_control_routes(app: FastAPI, ctx: ControlContext, *, with_status: bool =
     """Mount the policy API on ``app``; ``with_status`` also serves ``/v1/status`` (standalone use)."""
     app.include_router(build_router(ctx))
     app.state.control = ctx
+    guard_kw = dict(token=ctx.api_token, allowed_hosts=ctx.allowed_hosts, max_body_bytes=ctx.max_body_bytes,
+                    max_inflight=ctx.max_inflight, registry=ctx.registry)  # fmt: skip
+    app.add_middleware(RequestGuard, **guard_kw)  # type: ignore[arg-type]
+    app.state.guard_token = ctx.api_token
+    install_error_handlers(app)
     if with_status:
 
         @app.get("/v1/status", tags=["status"])
         def status() -> dict[str, Any]:
             return status_extra(ctx)
 
-    _ = RequestValidationError  # FastAPI's default handler already returns 422 with field locations
+
+def install_error_handlers(app: FastAPI) -> None:
+    """422 that never echoes input nor fails to serialise (NaN, lone surrogates); 503 on store errors."""
+
+    async def validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        detail = [
+            {
+                "loc": [x if isinstance(x, int) else _safe_text(x, 80) for x in err.get("loc", ())][:8],
+                "msg": _safe_text(err.get("msg", "")),
+                "type": _safe_text(err.get("type", ""), 60),
+            }
+            for err in exc.errors()[:20]
+        ]
+        return JSONResponse({"detail": detail}, status_code=422)
+
+    async def store_failed(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"detail": f"state store unavailable: {_safe_text(exc)}"}, status_code=503)
+
+    app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(StoreError, store_failed)
+    app.add_exception_handler(sqlite3.Error, store_failed)

@@ -88,12 +88,19 @@ def create_app(sidecar: Sidecar, *, manage_lifecycle: bool = True, title: str = 
 
     @app.get("/v1/status")
     def status(request: Request) -> dict[str, Any]:
-        """Blocks per tier, KV-event counts, engines with their latest sample, cache layers, storage."""
+        """Blocks per tier, KV-event counts, engines with their latest sample, cache layers, storage.
+        KV-event stream positions (``next_seq``, ``held_seq``) only with the API token: they would let a
+        local process forge the next batch."""
         out: dict[str, Any] = request.app.state.sidecar.status()
+        if not _authorized(request):
+            for eng in out.get("engines") or ():
+                for src in (eng.get("kv_events") or {}).get("sources") or ():
+                    src.pop("next_seq", None)
+                    src.pop("held_seq", None)
         return out
 
     @app.get("/healthz", response_model=Health)
-    def healthz() -> dict[str, str]:
+    async def healthz() -> dict[str, str]:
         """The sidecar process is alive (peers may be down; see /readyz)."""
         return {"status": "ok"}
 
@@ -105,3 +112,15 @@ def create_app(sidecar: Sidecar, *, manage_lifecycle: bool = True, title: str = 
         return JSONResponse(detail, status_code=200 if ready else 503)
 
     return app
+
+
+def _authorized(request: Request) -> bool:
+    """The request carries the API token, or none is configured (loopback only, where every local process
+    may already mutate: hiding stream positions would protect nothing)."""
+    import hmac
+
+    token = getattr(request.app.state, "guard_token", None)
+    if not token:
+        return True
+    scheme, _, tok = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(tok.strip().encode(), token.encode())

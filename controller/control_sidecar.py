@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -20,9 +21,10 @@ from kvtier.collectors.vllm_events import BlockStored, DecodedBatch, block_key
 from kvtier.controller.api import status_extra
 from kvtier.controller.app import create_app
 from kvtier.controller.geometry import EngineGeometry, apply_geometry, fetch_geometry
+from kvtier.controller.l1_keeper import L1Keeper, keeper_hook
 from kvtier.controller.policy_doc import PolicyDoc
 from kvtier.controller.runtime import ControlPlane, build_control_plane, make_actuator
-from kvtier.controller.settings import LMCacheMPSettings, Settings, VllmWarmupSettings
+from kvtier.controller.settings import LMCacheL1Settings, LMCacheMPSettings, Settings, VllmWarmupSettings
 from kvtier.controller.sidecar import Sidecar
 from kvtier.controller.tracing import instrument_app, instrument_http, make_tracer, make_tracer_provider
 from kvtier.policies.index import BlockIndex
@@ -36,8 +38,15 @@ class ControlSink:
 
     feed_per_batch = 16  # requests served through the placement policy per batch (~0.4 ms each, learned)
 
-    def __init__(self, plane: ControlPlane) -> None:
+    def __init__(
+        self,
+        plane: ControlPlane,
+        on_stored: Callable[[int | None, Sequence[int], int], None] | None = None,
+    ) -> None:
+        """``on_stored``: also fed (parent, block hashes, block size) of every ``BlockStored`` (the L1
+        keeper's hook)."""
         self.plane = plane
+        self.on_stored = on_stored
 
     def on_batch(self, engine: str, batch: DecodedBatch) -> None:
         plane = self.plane
@@ -59,7 +68,10 @@ class ControlSink:
                 try:
                     toks = e.tokens()
                     parent = None if e.parent_block_hash is None else block_key(e.parent_block_hash)
-                    tokens.on_block_stored([block_key(h) for h in e.block_hashes], parent, toks, e.block_size)
+                    keys = [block_key(h) for h in e.block_hashes]
+                    tokens.on_block_stored(keys, parent, toks, e.block_size)
+                    if self.on_stored is not None:
+                        self.on_stored(parent, keys, e.block_size)
                 except Exception as exc:  # noqa: BLE001 - a bad event must not stop ingestion
                     log.warning("token store: skipped a BlockStored event: %s", exc)
         plane.loop.wake()
@@ -77,7 +89,11 @@ class ControlledSidecar(Sidecar):
         engine_url = col.engine_urls[0] if col.engine_urls else None
         model = col.engine_model or (discover_model(engine_url) if engine_url else "")
         acts = []
+        keeper: LMCacheL1Settings | None = None
         for spec in settings.actuators:
+            if isinstance(spec, LMCacheL1Settings):  # acts on LMCache L1 by itself (not a planner actuator)
+                keeper = spec
+                continue
             extra: dict[str, Any] = {}
             # the entry's fields as the factory's keywords (as objects: ``memory`` carries a live layer)
             options = {k: v for k, v in spec if k != "kind" and v is not None}
@@ -103,6 +119,7 @@ class ControlledSidecar(Sidecar):
             policy=PolicyDoc.model_validate(settings.policy_doc_seed()),
             placement_policy=None if settings.loop.policy == "none" else settings.loop.policy,
             placement_tier=settings.loop.policy_tier, placement_options=settings.learned.options(),
+            allow_active=settings.serve.allow_active, api_options=api_options(settings),
         )  # fmt: skip
         self.plane.http = None  # the sidecar owns the shared client
         self.engine_url = engine_url
@@ -116,11 +133,17 @@ class ControlledSidecar(Sidecar):
             "state_dir": settings.serve.state_dir,
         }
         self._geometry_task: asyncio.Task[None] | None = None
-        self.ingestor.sinks.append(ControlSink(self.plane))
+        self.l1_keeper: L1Keeper | None = None
+        if keeper is not None:
+            self.l1_keeper = build_keeper(self, keeper, engine_url)
+        hook = keeper_hook(self.l1_keeper) if self.l1_keeper is not None else None
+        self.ingestor.sinks.append(ControlSink(self.plane, on_stored=hook))
 
     async def start(self) -> None:
         await super().start()
         await self.plane.start()
+        if self.l1_keeper is not None:
+            self.l1_keeper.start()
         if self.engine_url and self.policy_source["policy"] == "default":
             self._geometry_task = asyncio.create_task(self._discover_geometry(self.engine_url))
 
@@ -147,6 +170,8 @@ class ControlledSidecar(Sidecar):
         )  # fmt: skip
 
     async def stop(self) -> None:
+        if self.l1_keeper is not None:
+            self.l1_keeper.stop()
         if self._geometry_task is not None:
             self._geometry_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -158,6 +183,8 @@ class ControlledSidecar(Sidecar):
     def status(self) -> dict[str, Any]:
         out = super().status()
         out.update(status_extra(self.plane.ctx))
+        if self.l1_keeper is not None:
+            out["l1_keeper"] = self.l1_keeper.status()
         out["policy_source"] = dict(self.policy_source)
         out["engine_geometry"] = self.geometry.to_dict() if self.geometry is not None else None
         return out
@@ -193,6 +220,46 @@ def reset_persisted_policy(state_dir: str) -> bool:
     if dropped:
         log.warning("--reset-state: dropped the policy persisted in %s", state_dir)
     return dropped
+
+
+def api_options(settings: Settings) -> dict[str, Any]:
+    """The API's hardening options from the settings (Host allow-list derived from ``--listen``)."""
+    from kvtier.controller.guard import allowed_hosts_for
+
+    sv = settings.serve
+    host, _ = sv.listen_host_port
+    return {
+        "allowed_hosts": allowed_hosts_for(host, sv.allowed_hosts),
+        "max_body_bytes": sv.max_body_bytes,
+        "max_inflight": sv.http_max_inflight,
+        "max_pins": sv.max_pins,
+        "max_pinned_tokens": sv.max_pinned_tokens,
+        "max_pin_tokens": sv.max_pin_tokens,
+    }
+
+
+def build_keeper(sc: ControlledSidecar, spec: LMCacheL1Settings, engine_url: str | None) -> L1Keeper:
+    """``--actuator lmcache-l1``: the LMCache MP L1 keeper (:mod:`kvtier.controller.l1_keeper`), acting
+    through its own lmcache-mp adapter on the first ``--lmcache-url``. Feed it with :func:`keeper_hook`."""
+    from kvtier.controller.actuators import lmcache_mp
+
+    urls = sc.settings.collectors.lmcache_urls
+    if not urls:
+        raise ValueError("--actuator lmcache-l1 needs --lmcache-url")
+    model = spec.model_name or (discover_model(engine_url, field="root") if engine_url else "")
+    act = lmcache_mp.build(urls[0], model_name=model)
+    plane = sc.plane
+    assert plane is not None
+    acts = plane.loop.metrics.actuations
+
+    def record(what: str, n: int) -> None:  # "action:outcome"
+        action, _, outcome = what.partition(":")
+        acts.labels(layer="lmcache-mp", action=action, outcome=outcome).inc(n)
+
+    keeper = L1Keeper(act, chain_tokens=plane.loop.tokens.chain_tokens,
+                      is_active=lambda: plane.loop.mode == "active", registry=sc.registry,
+                      record=record, **spec.keeper_options())  # fmt: skip
+    return keeper
 
 
 def discover_model(engine_url: str, timeout_s: float = 5.0, field: str = "id") -> str:

@@ -396,7 +396,9 @@ def demo(
         "demo-8b", "--scenario", help="Bundled scenario (demo-8b, seed-480b) or a YAML."
     ),
     max_requests: int = typer.Option(None, "--max-requests", help="Replay only the first N requests."),
-    concurrency: int = typer.Option(None, "--concurrency", help="Override the scenario's concurrency."),
+    concurrency: int = typer.Option(
+        None, "--concurrency", min=1, help="Override the scenario's concurrency."
+    ),
     speed: float = typer.Option(
         0.0, "--speed", help="Pace the kvtier arm: simulated s per wall s (0 = unpaced)."
     ),

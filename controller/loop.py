@@ -543,7 +543,7 @@ class ReconcileLoop:
 
     def _policy_quality_metric(self, pl: PolicyPlacement) -> None:
         """``kvtier_predictor_auc`` = the policy's own out-of-sample AUC, refreshed after its refits."""
-        n = int(getattr(pl.policy, "_n_retrains", 0))
+        n = int(getattr(pl.policy, "retrains", 0))
         if n == self._quality_at:
             return
         self._quality_at = n

@@ -9,8 +9,7 @@ Until a model exists the loop uses the heuristic predictor.
 
 from __future__ import annotations
 
-import io
-import pickle
+import logging
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -27,6 +26,8 @@ from kvtier.policies.predictor import reliability
 if TYPE_CHECKING:
     from kvtier.controller.loop import ReconcileLoop
     from kvtier.controller.store import StateStore
+
+log = logging.getLogger(__name__)
 
 FEATURES = ("log_freq", "log_age_s", "log_gap_ewma_s", "has_gap", "depth", "log_children", "resident")
 
@@ -176,9 +177,12 @@ class ModelManager:
             "seed": self.loop.policy.predictor.seed,
         }
         pred = LogisticReusePredictor(clf.coef_[0].astype(np.float32), float(clf.intercept_[0]), info)
-        buf = io.BytesIO()
-        pickle.dump({"coef": pred.coef, "intercept": pred.intercept}, buf)
-        self.version = self.store.save_model(info, buf.getvalue())
+        params = {
+            "coef": [float(c) for c in pred.coef],
+            "intercept": pred.intercept,
+            "features": list(FEATURES),
+        }
+        self.version = self.store.save_model(info, params)
         info["version"] = self.version
         pred.meta = info
         self._install(pred, info)
@@ -197,14 +201,21 @@ class ModelManager:
     def load(self) -> bool:
         """Reload the latest persisted model (at startup). False when none is stored."""
         row = self.store.latest_model()
-        if row is None or row[2] is None:
+        if row is None:
             return False
-        version, info, blob = row
-        assert blob is not None
-        d = pickle.loads(blob)  # noqa: S301 - our own state file
+        version, info, params = row
+        try:
+            coef = np.asarray(params["coef"], dtype=np.float32)
+            intercept = float(params["intercept"])
+            if coef.shape != (len(FEATURES),) or not np.isfinite(coef).all() or not np.isfinite(intercept):
+                raise ValueError(f"expected {len(FEATURES)} finite coefficients, got shape {coef.shape}")
+        except (KeyError, TypeError, ValueError) as exc:
+            self.store.errors["row"] += 1
+            log.error("state store: model %d unusable, starting without it: %s", version, exc)
+            return False
         info["version"] = version
         self.version = version
-        self._install(LogisticReusePredictor(np.asarray(d["coef"]), float(d["intercept"]), info), info)
+        self._install(LogisticReusePredictor(coef, intercept, info), info)
         return True
 
     def policy_quality(self) -> dict[str, Any] | None:

@@ -36,13 +36,24 @@ class Pin:
         return tuple(self.token_ids[: (i + 1) * self.block_size])
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["tier"] = self.tier.value
-        d["expires_at_s"] = self.expires_at_s
-        d["block_hashes"] = [f"{b & ((1 << 64) - 1):016x}" for b in self.blocks]
-        d["num_tokens"] = len(self.token_ids) if self.token_ids is not None else None
-        d.pop("token_ids")
-        return d
+        """The API view: no token ids (a pin may hold 100k+; never deep-copied on reads)."""
+        return {
+            "id": self.id,
+            "tier": self.tier.value,
+            "blocks": list(self.blocks),
+            "created_at_s": self.created_at_s,
+            "ttl_s": self.ttl_s,
+            "source": self.source,
+            "block_size": self.block_size,
+            "model": self.model,
+            "expires_at_s": self.expires_at_s,
+            "block_hashes": [f"{b & ((1 << 64) - 1):016x}" for b in self.blocks],
+            "num_tokens": len(self.token_ids) if self.token_ids is not None else None,
+        }
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) if self.token_ids is not None else 0
 
     def to_record(self) -> dict[str, Any]:
         d = asdict(self)
@@ -51,9 +62,21 @@ class Pin:
 
     @staticmethod
     def from_record(d: dict[str, Any]) -> Pin:
+        """A stored record -> Pin; ValueError/TypeError/KeyError when a field is missing or mistyped."""
+        if not isinstance(d, dict):
+            raise TypeError(f"pin record is {type(d).__name__}, not an object")
         d = dict(d)
         d["tier"] = Tier(d["tier"])
-        return Pin(**d)
+        p = Pin(**d)
+        if not isinstance(p.id, str) or not p.id:
+            raise ValueError("pin id missing")
+        if not isinstance(p.blocks, list) or not p.blocks or not all(type(b) is int for b in p.blocks):
+            raise ValueError("pin blocks must be a non-empty list of integers")
+        if not isinstance(p.created_at_s, int | float):
+            raise TypeError("created_at_s must be a number")
+        if p.token_ids is not None and not all(type(t) is int for t in p.token_ids):
+            raise ValueError("token_ids must be integers")
+        return p
 
 
 class PinSet:
@@ -108,3 +131,8 @@ class PinSet:
 
     def __len__(self) -> int:
         return len(self._pins)
+
+    def total_tokens(self) -> int:
+        """Token ids held by all pins (the cap ``max_pinned_tokens`` bounds this)."""
+        with self._lock:
+            return sum(p.num_tokens for p in self._pins.values())

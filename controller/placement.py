@@ -68,6 +68,10 @@ class PolicyPlacement:
         self.block_accesses = 0
         self.block_hits = 0  # blocks resident in the policy's tier when requested
         self.errors = 0
+        # per-block memory bound of the policy object (blocks it has ever seen; None = unbounded, replay):
+        # past it the policy restarts empty (policies cannot forget single blocks; counted in ``restarts``)
+        self.max_slots: int | None = None
+        self.restarts = 0
 
     @property
     def capacity_blocks(self) -> int:
@@ -93,9 +97,23 @@ class PolicyPlacement:
         if not self.lock.acquire(blocking=blocking):
             return 0
         try:
-            return self._feed(max_requests)
+            n = self._feed(max_requests)
+            seen = getattr(self.policy, "blocks_seen", None)  # policies with per-block state declare it
+            if self.max_slots is not None and seen is not None and seen > self.max_slots:
+                self._restart(f"it has seen {seen} blocks, more than its bound {self.max_slots}")
+            return n
         finally:
             self.lock.release()
+
+    def _restart(self, why: str) -> None:
+        """A fresh policy object of the same capacity (caller holds :attr:`lock`)."""
+        log.warning("placement policy %s restarts empty: %s", self.name, why)
+        self.restarts += 1
+        self.policy = get_policy(self.name, self.policy.capacity_blocks, seed=self.seed)
+        self.desired.clear()
+        self._want[:] = False
+        self._unknown.clear()
+        self._row_slot[:] = -1
 
     def _feed(self, max_requests: int | None) -> int:
         pol, desired, touched, lookup = self.policy, self.desired, self._touched, self.lookup
@@ -133,7 +151,7 @@ class PolicyPlacement:
         """After the policy refitted its model (inside ``access``), recompute its memoised scores here, on
         the feeding path, so the next tick does not pay for it (``learned``: ``warm_scores``)."""
         warm = getattr(self.policy, "warm_scores", None)
-        version = getattr(self.policy, "_n_retrains", None)
+        version = getattr(self.policy, "retrains", None)
         if warm is None or version == self._warm_version:
             return
         self._warm_version = version
@@ -274,6 +292,8 @@ class PolicyPlacement:
             "requests_pending": len(self.requests),
             "inferred": dict(self.requests.counts),
             "errors": self.errors,
+            "restarts": self.restarts,  # restarted empty at the per-block bound (max_slots)
+            "max_slots": self.max_slots,
         }
 
 

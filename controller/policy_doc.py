@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvtier.policies.planner import LinkBudget, PlannerConfig, TierSpec
 from kvtier.policies.tiers import Tier, TierHardware
@@ -72,10 +72,18 @@ class PredictorSettings(_Strict):
     )
     tau_s: float = Field(default=300.0, gt=0, le=86400 * 30, description="heuristic recency scale, seconds")
     retrain_interval_s: float = Field(
-        default=0.0, ge=0, le=86400 * 7, description="0 = retrain only on request"
+        default=0.0, ge=0, le=86400 * 7, description="0 = retrain only on request; else at least 1 s"
     )
+
     horizon_s: float = Field(default=300.0, gt=0, le=86400, description="reuse label horizon, seconds")
     seed: int = Field(default=0, ge=0, le=2**31 - 1, description="seed of training samples and the policy")
+
+    @field_validator("retrain_interval_s")
+    @classmethod
+    def _retrain_floor(cls, v: float) -> float:
+        if 0 < v < 1:
+            raise ValueError("retrain_interval_s must be 0 (on request only) or at least 1 second")
+        return v
 
 
 class PlannerKnobs(_Strict):
@@ -135,8 +143,11 @@ class PlannerKnobs(_Strict):
 class LoopKnobs(_Strict):
     """The reconcile loop's part of the policy document (in the ``loop`` settings section)."""
 
-    tick_interval_s: float = Field(default=1.0, gt=0, le=3600, description="period of reconcile ticks, s")
-    tick_timeout_s: float = Field(default=5.0, gt=0, le=3600, description="a tick longer than this fails, s")
+    # lower bounds: a typo (1e-300) must not make every tick "time out" or the loop spin
+    tick_interval_s: float = Field(default=1.0, ge=0.01, le=3600, description="period of reconcile ticks, s")
+    tick_timeout_s: float = Field(
+        default=5.0, ge=0.01, le=3600, description="a tick longer than this fails, s"
+    )
     shadow_horizon_s: float = Field(
         default=300.0, gt=0, le=86400, description="came-back window for scoring, s"
     )

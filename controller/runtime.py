@@ -32,7 +32,7 @@ from kvtier.controller.model import ModelManager
 from kvtier.controller.pins import PinSet
 from kvtier.controller.placement import PolicyPlacement
 from kvtier.controller.policy_doc import Mode, PolicyDoc
-from kvtier.controller.store import StateStore
+from kvtier.controller.store import StateStore, StateStoreExporter
 from kvtier.controller.tokens import TokenStore
 from kvtier.policies.index import BlockIndex
 from kvtier.policies.tiers import Tier, normalize_tier
@@ -149,6 +149,8 @@ def build_control_plane(
     placement_policy: str | None = "learned",
     placement_tier: Tier | str = Tier.CPU,
     placement_options: dict[str, Any] | None = None,
+    allow_active: bool = False,
+    api_options: dict[str, Any] | None = None,
 ) -> ControlPlane:
     """Restore persisted policy/pins/model from ``state_dir``; ``mode`` (CLI) overrides the stored mode.
 
@@ -156,6 +158,7 @@ def build_control_plane(
     the policy document's tiers), fed requests inferred from KV events; None = index-only planning.
     ``placement_options``: the policy constructor's keyword arguments (the ``learned`` settings section)."""
     store = StateStore(state_dir)
+    registry.register(StateStoreExporter(store))
     metrics = ControllerMetrics(registry, layers=[a.name for a in actuators])
     doc = policy or PolicyDoc()
     loop = ReconcileLoop(
@@ -176,8 +179,9 @@ def build_control_plane(
         http = http or httpx.AsyncClient(timeout=10.0)
         tokenizer = engine_tokenizer(engine_url, http)
     ctx = ControlContext(
-        loop, store, models, api_token=api_token, tokenizer=tokenizer, engine_model=engine_model, clock=clock
-    )
+        loop, store, models, api_token=api_token, tokenizer=tokenizer, engine_model=engine_model, clock=clock,
+        allow_active=allow_active or mode == "active", registry=registry, **(api_options or {}),
+    )  # fmt: skip
     ctx.restore()
     if mode is not None:
         loop.set_policy(loop.next_policy.model_copy(update={"mode": mode}))
@@ -199,7 +203,12 @@ def make_placement(
     t = normalize_tier(tier) if isinstance(tier, str) else tier
     doc = loop.policy
     cap = next((c.capacity_blocks for c in doc.tiers if c.tier is t), 0)
-    inferrer = RequestInferrer(clock=clock, block_size_tokens=doc.block_size_tokens)
+    # the parent map of inferred requests is per block: bounded by the same block bound as the index
+    inferrer = RequestInferrer(
+        clock=clock,
+        block_size_tokens=doc.block_size_tokens,
+        max_tracked=int(loop.index.max_blocks or 1_000_000),
+    )
     try:
         pl = PolicyPlacement(
             name,
@@ -212,6 +221,7 @@ def make_placement(
     except KeyError as exc:
         raise ValueError(f"--policy: {exc.args[0]}") from exc
     pl.lookup = loop.index.slot_of
+    pl.max_slots = loop.index.max_blocks  # the one per-block bound (KVTIER_INDEX_MAX_BLOCKS)
     return pl
 
 

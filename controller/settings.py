@@ -18,6 +18,7 @@ comma-separated (``KVTIER_ENGINE_URLS=http://a:8000,http://b:8000``). ``KVTIER_T
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import json
 import os
@@ -91,6 +92,65 @@ class ServeSettings(_Section):
     mode: Mode | None = Field(
         default=None, description="off | shadow | active; None keeps the persisted policy's (default shadow)"
     )
+    # -- hardening: see controller/guard.py and docs/security.md --
+    insecure_no_auth: bool = Field(
+        default=False, description="allow a non-loopback listen without an API token (logged loudly)"
+    )
+    allow_active: bool = Field(
+        default=False, description="the API may switch mode to active (implied by mode active)"
+    )
+    allowed_hosts: list[str] = Field(
+        default_factory=list, description="extra Host header names accepted besides listen's ('*' = any)"
+    )
+    max_body_bytes: int = Field(
+        default=1 << 20, ge=1024, le=64 << 20, description="largest request body, checked before parsing, B"
+    )
+    http_max_inflight: int = Field(
+        default=64, ge=4, le=4096, description="concurrent requests (503 beyond; /healthz exempt)"
+    )
+    http_keepalive_s: float = Field(
+        default=5.0, ge=0.5, le=300, description="idle keep-alive connections are closed after this, s"
+    )
+    http_request_deadline_s: float = Field(
+        default=15.0, ge=1, le=600, description="a connection must deliver a whole request within this, s"
+    )
+    max_pins: int = Field(default=1024, ge=1, le=100_000, description="pins held at most")
+    max_pinned_tokens: int = Field(
+        default=1 << 20, ge=1, le=1 << 26, description="token ids of all pins together, at most"
+    )
+    max_pin_tokens: int = Field(
+        default=131_072, ge=1, le=1 << 22, description="token ids of one pin's prefix, at most"
+    )
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _hosts(cls, v: Any) -> Any:
+        return _split(v)
+
+    @field_validator("api_token")
+    @classmethod
+    def _token(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError(
+                "api_token (KVTIER_API_TOKEN) is empty or whitespace: set a real token or unset it"
+            )
+        if v is not None and v != v.strip():
+            raise ValueError("api_token (KVTIER_API_TOKEN) has leading/trailing whitespace")
+        return v
+
+    @model_validator(mode="after")
+    def _secure_listen(self) -> ServeSettings:
+        from kvtier.controller.guard import is_loopback
+
+        host, _ = self.listen_host_port
+        if not is_loopback(host) and self.api_token is None and not self.insecure_no_auth:
+            raise ValueError(
+                f"--listen {self.listen} is reachable from other hosts but no API token is set: set "
+                "KVTIER_API_TOKEN (or pass --insecure-no-auth to serve mutations unauthenticated)"
+            )
+        if self.mode == "active":
+            self.allow_active = True  # started active: the operator allowed it
+        return self
 
     @property
     def listen_host_port(self) -> tuple[str, int]:
@@ -112,14 +172,22 @@ class CollectorSettings(_Section):
     engine_model: str = Field(
         default="", description="served model name for warm-ups; '' = first of the engine's /v1/models"
     )
-    scrape_interval_s: float = Field(default=2.0, gt=0, description="period of /metrics scrapes of peers, s")
-    discovery_interval_s: float = Field(
-        default=5.0, gt=0, description="period of GET /kv_event_sources (KV-event publisher discovery), s"
+    # lower bounds keep a typo (1e-6) from turning a poll loop into a busy loop
+    scrape_interval_s: float = Field(
+        default=2.0, ge=0.1, le=3600, description="period of /metrics scrapes of peers, s"
     )
-    storage_interval_s: float = Field(default=5.0, gt=0, description="period of /proc and /sys reads, s")
-    http_timeout_s: float = Field(default=5.0, gt=0, description="timeout of one HTTP call to a peer, s")
+    discovery_interval_s: float = Field(
+        default=5.0, ge=0.1, le=3600,
+        description="period of GET /kv_event_sources (KV-event publisher discovery), s",
+    )  # fmt: skip
+    storage_interval_s: float = Field(
+        default=5.0, ge=0.1, le=3600, description="period of /proc and /sys reads, s"
+    )
+    http_timeout_s: float = Field(
+        default=5.0, ge=0.1, le=600, description="timeout of one HTTP call to a peer, s"
+    )
     replay_timeout_s: float = Field(
-        default=2.0, gt=0, description="wait for a KV-event replay after a sequence gap, s"
+        default=2.0, ge=0.1, le=600, description="wait for a KV-event replay after a sequence gap, s"
     )
     max_seq_gap: int = Field(
         default=10_000, gt=0, description="largest KV-event seq step (batches) confirming a held batch"
@@ -263,6 +331,32 @@ class LMCacheMPSettings(_Section):
     prefetch_timeout_s: float = Field(default=10.0, gt=0, description="wait for a prefetch to land, s")
 
 
+class LMCacheL1Settings(_Section):
+    """The LMCache MP L1 keeper (:mod:`kvtier.controller.l1_keeper`): second-sight L1 admission behind a
+    measured guard. Acts on its own worker thread, not through the planner; needs collectors.lmcache_urls."""
+
+    kind: Literal["lmcache-l1"] = "lmcache-l1"
+    model_name: str | None = Field(
+        default=None, description="model name in LMCache keys; None = the engine's --model (/v1/models root)"
+    )
+    capacity_chunks: int = Field(
+        default=256, ge=1, description="L1 capacity the counterfactual assumes until /status reports one"
+    )
+    window: int = Field(default=512, ge=1, description="chunk sightings per guard window")
+    delay_s: float = Field(default=0.5, ge=0, description="wait after a store before its L1 drop, s")
+    verify_deadline_s: float = Field(
+        default=15.0, gt=0, description="give up on a drop whose L2 copy has not appeared by then, s"
+    )
+    status_every_s: float = Field(default=2.0, gt=0, description="period of the layer's /status reads, s")
+    measure_every_s: float = Field(
+        default=10.0, gt=0, description="measured-guard period on LMCache's own L1-hit counter, s"
+    )
+
+    def keeper_options(self) -> dict[str, Any]:
+        """Keyword arguments of :class:`~kvtier.controller.l1_keeper.L1Keeper` (all but kind, model)."""
+        return self.model_dump(exclude={"kind", "model_name"})
+
+
 class LMCacheControllerSettings(_Section):
     """Legacy LMCache cache controller. ``url`` defaults to the first lmcache_controller_url."""
 
@@ -299,6 +393,7 @@ ActuatorSettings = Annotated[
     ShadowActuatorSettings
     | VllmWarmupSettings
     | LMCacheMPSettings
+    | LMCacheL1Settings
     | LMCacheControllerSettings
     | MooncakeSettings
     | MemorySettings,
@@ -341,8 +436,6 @@ def _lift(data: Mapping[str, Any]) -> dict[str, Any]:
         for k in ("warmup_tokens_per_s", "warmup_requests_per_s")
         if k in data
     }
-    if acts is None and (options or warm):
-        acts = []
     if acts is not None:
         tagged = []
         for a in acts:
@@ -373,13 +466,18 @@ class _FlatEnv(PydanticBaseSettingsSource):
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
         return None, field_name, False
 
-    def __call__(self) -> dict[str, Any]:
+    @staticmethod
+    def read() -> dict[str, Any]:
+        """The flat variables set, by lower-cased key (values as strings)."""
         flat = {}
         for k in FLAT_ENV:
             v = os.environ.get(f"KVTIER_{k.upper()}")
             if v is not None:
                 flat[k] = v
-        return _lift(flat)
+        return flat
+
+    def __call__(self) -> dict[str, Any]:
+        return _lift(self.read())
 
 
 class Settings(BaseSettings):
@@ -426,12 +524,9 @@ class Settings(BaseSettings):
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """A YAML (``.yaml``/``.yml``), JSON (``.json``) or TOML (anything else) file -> dict of settings.
 
-    Raises ValueError naming the file if it is unreadable or malformed."""
+    Raises ValueError naming the file if it is malformed, OSError (FileNotFoundError, ...) if unreadable."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise ValueError(f"{p}: {exc.strerror or exc}") from exc
+    text = p.read_text()
     try:
         if p.suffix in (".yaml", ".yml"):
             data = yaml.safe_load(text)
@@ -464,25 +559,84 @@ def describe(exc: ValidationError, source: str = "settings") -> str:
     parts = []
     for e in exc.errors():
         loc = ".".join(str(x) for x in e["loc"] if not (isinstance(x, str) and x in _KINDS))
-        if e["type"] == "extra_forbidden":
-            parts.append(f"unknown key {loc!r}")
+        if e["type"] == "union_tag_invalid" and loc.startswith("actuators."):
+            tag = (e.get("ctx") or {}).get("tag")
+            parts.append(f"{loc}: unknown actuator {tag!r}; known: {', '.join(_KIND_MODELS)}")
+        elif e["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(str(e["loc"][-1]), _candidates(e["loc"]), n=1)
+            parts.append(f"unknown key {loc!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         else:
             parts.append(f"{loc}: {e['msg']}")
     return f"{source}: " + "; ".join(parts)
 
 
-_KINDS = {"shadow", "vllm-warmup", "lmcache-mp", "lmcache-controller", "mooncake", "memory"}
+def _candidates(loc: tuple[int | str, ...]) -> list[str]:
+    """Names valid where ``loc`` points (for a did-you-mean hint): top level = sections and flat keys."""
+    if len(loc) <= 1:
+        return [*_SECTIONS, *FLAT_ENV]
+    field = Settings.model_fields.get(str(loc[0]))
+    model = field.annotation if field is not None else None
+    if len(loc) == 2 and isinstance(model, type) and issubclass(model, BaseModel):
+        return list(model.model_fields)
+    if loc[0] == "actuators" and len(loc) == 4:
+        kind = _KIND_MODELS.get(str(loc[2]))
+        return list(kind.model_fields) if kind is not None else []
+    return []
+
+
+_KIND_MODELS: dict[str, type[BaseModel]] = {
+    m.model_fields["kind"].default: m
+    for m in (ShadowActuatorSettings, VllmWarmupSettings, LMCacheMPSettings, MooncakeSettings,
+              LMCacheControllerSettings, MemorySettings, LMCacheL1Settings)
+}  # fmt: skip
+
+_KINDS = set(_KIND_MODELS)
+
+
+_FLAT_OPTIONS = ("actuator_options", "warmup_tokens_per_s", "warmup_requests_per_s")
+
+
+def _carry(top: list[Any], pool: Mapping[str, Any]) -> list[Any]:
+    """Entries of ``top`` that name only a kind (``--actuator lmcache-l1``) take the entry of that kind from
+    ``pool`` (kind -> the highest lower source's entry, e.g. the config file's options for it)."""
+    return [pool.get(e["kind"], e) if isinstance(e, Mapping) and set(e) == {"kind"} else e for e in top]
 
 
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
     """Defaults < config file < ``KVTIER_*`` env < ``overrides`` (CLI flags, flat or sectioned keys; None
-    values are ignored). Raises :class:`SettingsError` (a ValueError) with one line naming bad keys."""
-    file_vals = _lift(read_config_file(config_file)) if config_file else {}
+    values are ignored). Raises :class:`SettingsError` (a ValueError) with one line naming bad keys.
+
+    Actuator options follow the actuators wherever they are named: the flat ``actuator_options`` and
+    ``warmup_*`` of the highest source that sets them apply to the names of the source that names the
+    actuators (a config file's ``actuator_options: {lmcache-l1: ...}`` with ``--actuator lmcache-l1``), and a
+    name alone takes a lower source's entry of that kind."""
+    file_raw = read_config_file(config_file) if config_file else {}
+    flags_raw = {k: v for k, v in overrides.items() if v is not None}
     source = str(config_file) if config_file else "settings"
     try:
+        env_raw = _FlatEnv.read()
+        carried: dict[str, Any] = {}
+        for src in (file_raw, env_raw, flags_raw):
+            carried.update({k: src[k] for k in _FLAT_OPTIONS if k in src})
+
+        def lift(src: Mapping[str, Any]) -> dict[str, Any]:
+            own = {k: v for k, v in src.items() if k not in _FLAT_OPTIONS}
+            return _lift({**own, **carried} if "actuators" in own else own)
+
+        file_vals = lift(file_raw)
         env_vals = Settings().model_dump(exclude_unset=True)
-        flags = _lift({k: v for k, v in overrides.items() if v is not None})
-        return Settings(**_deep_merge(_deep_merge(file_vals, env_vals), flags))
+        if "actuators" in env_raw:  # the flat names with the options carried from any source
+            env_vals["actuators"] = lift({"actuators": env_raw["actuators"]})["actuators"]
+        flags = lift(flags_raw)
+        merged: dict[str, Any] = {}
+        pool: dict[str, Any] = {}  # kind -> entry, from the sources below the one being merged
+        for src in (file_vals, env_vals, flags):
+            acts = src.get("actuators")
+            if isinstance(acts, list):
+                src["actuators"] = acts = _carry(acts, pool)
+                pool.update({e["kind"]: e for e in acts if isinstance(e, Mapping) and "kind" in e})
+            merged = _deep_merge(merged, src)
+        return Settings(**merged)
     except ValidationError as exc:
         raise SettingsError(describe(exc, source)) from None
     except (_SourceError, json.JSONDecodeError) as exc:

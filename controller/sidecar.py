@@ -84,7 +84,38 @@ class KvMetricsExporter(PromCollector):
             "kvtier_index_skipped_ops", "Index updates skipped: the index was full of resident blocks."
         )
         skipped.add_metric([], ing.index_skipped)
-        yield from (ev, blk, lost, rep, tracked, size, reclaimed, skipped)
+        dropped = CounterMetricFamily(
+            "kvtier_kv_events_dropped",
+            "KV-event work dropped to stay bounded: oversized events (hashes), stores past the residency "
+            "bound (blocks), by engine and reason.",
+            labels=["engine", "reason"],
+        )
+        for eng, c in sorted(ing.counts.items()):
+            dropped.add_metric([eng, "oversized_event"], c.oversized_events)
+            dropped.add_metric([eng, "residency_bound"], c.residency_skipped)
+        distinct = GaugeMetricFamily(
+            "kvtier_blocks_resident_distinct",
+            "Distinct (tier, block) pairs believed resident, all tiers (bounded by KVTIER_INDEX_MAX_BLOCKS).",
+        )
+        distinct.add_metric([], ing.resident_total())
+        bound = GaugeMetricFamily("kvtier_blocks_bound", "The configured per-block memory bound (blocks).")
+        bound.add_metric([], ing.max_resident)
+        rss = GaugeMetricFamily(
+            "kvtier_process_resident_memory_bytes", "Resident set size of the sidecar, bytes."
+        )
+        rss.add_metric([], rss_bytes())
+        yield from (ev, blk, lost, rep, tracked, size, reclaimed, skipped, dropped, distinct, bound, rss)
+
+
+def rss_bytes() -> float:
+    """This process's resident set size in bytes (``/proc/self/statm``; 0 where /proc is absent)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return float(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 class Sidecar:

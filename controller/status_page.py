@@ -47,6 +47,9 @@ _WANTED = {
     "kvtier_shadow_hits_total",
     "kvtier_shadow_scored_total",
     "kvtier_predictor_auc",
+    "kvtier_guard_acting",
+    "kvtier_guard_trips_total",
+    "kvtier_guard_resumes_total",
 }
 
 
@@ -98,6 +101,14 @@ class History:
             "shadow_hits": sum(v for _, v in f["kvtier_shadow_hits_total"]),
             "shadow_scored": sum(v for _, v in f["kvtier_shadow_scored_total"]),
             "auc": next((v for _, v in f["kvtier_predictor_auc"]), None),
+            # the L1 keeper's self-guard (absent without --actuator lmcache-l1): acting 1/0, trips, resumes
+            "guard": None
+            if not f["kvtier_guard_acting"]
+            else {
+                "acting": f["kvtier_guard_acting"][0][1],
+                "trips": sum(v for _, v in f["kvtier_guard_trips_total"]),
+                "resumes": sum(v for _, v in f["kvtier_guard_resumes_total"]),
+            },
         }
         self.samples.append(s)
         return s

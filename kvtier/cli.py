@@ -46,6 +46,9 @@ def _register() -> None:
     from kvtier.controller import demo as _demo
 
     _demo.register(app)  # demo
+    from kvtier.replay import live_bench_cli as _bench_cli
+
+    _bench_cli.register(app)  # bench
 
 
 def main() -> None:

@@ -317,6 +317,11 @@ class LearnedPolicy(Policy):
     def __len__(self) -> int:
         return self._real.n_resident
 
+    @property
+    def blocks_seen(self) -> int:
+        """Distinct blocks the policy keeps per-block state for (grows until a restart; blocks)."""
+        return len(self._slot)
+
     def access(self, req: Request) -> HitMask:
         now = float(req.timestamp_ms)
         self._last_now = now
@@ -599,6 +604,11 @@ class LearnedPolicy(Policy):
         if self._requests % self.retrain_every != 0:
             return
         self._retrain(now)
+
+    @property
+    def retrains(self) -> int:
+        """Model refits so far (a version number: memoised scores and quality change only when it does)."""
+        return self._n_retrains
 
     def retrain(self, now_ms: float | None = None) -> bool:
         """Score and refit now (normally every ``retrain_every`` requests), as of ``now_ms`` (default: the

@@ -21,7 +21,8 @@ command -v ip >/dev/null || need_apt+=(iproute2)
 command -v curl >/dev/null || need_apt+=(curl)
 # the compose client only (no engine): tests/e2e/test_compose.py runs `docker-compose config`
 command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 || need_apt+=(docker-compose)
-command -v unshare >/dev/null || need_apt+=(util-linux)  # private netns for the Mooncake / LMCache-controller tests
+command -v unshare >/dev/null || need_apt+=(util-linux)
+command -v npm >/dev/null || need_apt+=(nodejs npm)  # the Prometheus Operator validators (Helm chart test)  # private netns for the Mooncake / LMCache-controller tests
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "apt-get install ${need_apt[*]}"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
@@ -86,6 +87,16 @@ fi
 MCLIB="$MCL/root/usr/lib/x86_64-linux-gnu:$MCL/root/lib/x86_64-linux-gnu"
 [ "$(uname -m)" = x86_64 ] || MCLIB="$MCL/root/usr/lib/$(uname -m)-linux-gnu:$MCL/root/lib/$(uname -m)-linux-gnu"
 
+# --- Prometheus Operator validators (npm) for the Helm chart's PodMonitor/ServiceMonitor/PrometheusRule --
+CV="$PEERS/crd-validate"; CVSRC="$HERE/tests/deploy/crd_validate"
+if ! cmp -s "$CVSRC/package-lock.json" "$CV/package-lock.json" || [ ! -d "$CV/node_modules" ]; then
+  log "installing the Prometheus Operator validators in $CV (npm ci)"
+  rm -rf "$CV"; mkdir -p "$CV"
+  cp "$CVSRC/package.json" "$CVSRC/package-lock.json" "$CVSRC/validate.mjs" "$CV/"
+  (cd "$CV" && npm ci --loglevel=error --no-audit --no-fund >/dev/null)
+fi
+cp "$CVSRC/validate.mjs" "$CV/"
+
 cat > "$PEERS/env.sh" <<ENV
 export KVTIER_PEERS_DIR="$PEERS"
 export KVTIER_VLLM_PYTHON="$V/bin/python"
@@ -93,6 +104,7 @@ export KVTIER_LMCACHE_PYTHON="$V/bin/python"
 export KVTIER_TINY_MODEL="$M"
 export KVTIER_MOONCAKE_PYTHON="$MC/bin/python"
 export KVTIER_MOONCAKE_LIBDIR="$MCLIB"
+export KVTIER_CRD_VALIDATOR="$CV/validate.mjs"
 export DO_NOT_TRACK=1 LMCACHE_TRACK_USAGE=false VLLM_NO_USAGE_STATS=1
 ENV
 log "peers ready: $PEERS/env.sh"

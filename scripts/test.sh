@@ -3,14 +3,14 @@
 # Prometheus, Chromium), a dev venv with kvtier, then runs ruff, lint-imports, mypy and pytest.
 # Usage: scripts/test.sh [--fast] [pytest args...]
 #   --fast: the tests that need no live peer (no vLLM, LMCache, Mooncake, Prometheus, Chromium, compose
-#           client, nothing marked slow), without installing the peers; the full suite (no flag) is CI's.
+#           client, npm validators, nothing marked slow), without installing the peers; the full suite (no flag) is CI's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DO_NOT_TRACK=1 LMCACHE_TRACK_USAGE=false VLLM_NO_USAGE_STATS=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 FAST=()
 if [ "${1:-}" = --fast ]; then
   shift
-  FAST=(-m "not (slow or vllm or lmcache or mooncake or prometheus or browser or compose)")
+  FAST=(-m "not (slow or vllm or lmcache or mooncake or prometheus or browser or compose or node)")
 else
   scripts/setup-peers.sh
   # shellcheck disable=SC1091

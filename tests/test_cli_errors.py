@@ -16,6 +16,7 @@ import pytest
 NO_MPL = "import sys; sys.modules['matplotlib'] = None; "  # as if the 'plot' extra were not installed
 POLICIES = "arc, belady, fifo, leaf-lru, learned, lfu, lfuda, lru, s3fifo"
 CONFIGS = "llama3-70b, llama3-8b, mistral-7b, qwen2.5-7b"
+SCENARIOS = "demo-8b, seed-480b"
 
 # (id, argv with {bad} {missing} {busy} {badtoml} placeholders, stderr prefix, expected substrings)
 CASES: list[tuple[str, list[str], str, list[str]]] = [
@@ -29,10 +30,10 @@ CASES: list[tuple[str, list[str], str, list[str]]] = [
      ["shadow, vllm-warmup, lmcache-mp, mooncake, lmcache-controller"]),
     ("serve-unknown-policy", ["serve", "--policy", "nope"], "kvtier serve", [POLICIES]),
     ("serve-unknown-option", ["serve", "--bogus"], "kvtier serve", ["No such option: --bogus"]),
-    ("demo-unknown-model", ["demo", "--model", "nope"], "kvtier demo", [CONFIGS]),
+    ("demo-unknown-scenario", ["demo", "--scenario", "nope"], "kvtier demo", [SCENARIOS]),
     ("demo-busy-port", ["demo", "--listen", "{busy}"], "kvtier demo", ["cannot bind"]),
     ("demo-bad-listen", ["demo", "--listen", "nope"], "kvtier demo", ["HOST:PORT"]),
-    ("demo-speed", ["demo", "--speed", "0"], "kvtier demo", ["--speed must be > 0"]),
+    ("demo-concurrency", ["demo", "--concurrency", "0"], "kvtier demo", ["--concurrency", "or equal to 1"]),
     ("replay-missing-file", ["replay", "{missing}"], "kvtier replay", ["cannot read trace", "missing"]),
     ("replay-malformed", ["replay", "{bad}"], "kvtier replay", ["malformed trace", "bad.jsonl:1"]),
     ("replay-unknown-policy", ["replay", "bundled", "--policy", "nope"], "kvtier replay", [POLICIES]),
@@ -52,6 +53,17 @@ CASES: list[tuple[str, list[str], str, list[str]]] = [
      ["none, " + POLICIES]),
     ("shadow-replay-bad-requests", ["shadow-replay", "--requests", "0"], "kvtier shadow-replay",
      ["--requests"]),
+    ("bench-missing-file", ["bench", "{missing}", "--engine-url", "http://127.0.0.1:9", "--model", "m"],
+     "kvtier bench", ["cannot read trace", "missing"]),
+    ("bench-malformed", ["bench", "{bad}", "--engine-url", "http://127.0.0.1:9", "--model", "m"],
+     "kvtier bench", ["cannot read trace", "bad.jsonl:1"]),
+    ("bench-unknown-arm", ["bench", "--engine-url", "http://127.0.0.1:9", "--model", "m", "--arms", "nope"],
+     "kvtier bench", ["baseline, shadow, active"]),
+    ("bench-no-engine-url", ["bench", "--model", "m"], "kvtier bench", ["--engine-url"]),
+    ("bench-engine-down", ["bench", "--engine-url", "http://{busy}", "--model", "m", "--requests", "2"],
+     "kvtier bench", ["cannot reach the engine"]),
+    ("bench-engine-not-a-url", ["bench", "--engine-url", "nope", "--model", "m", "--requests", "2"],
+     "kvtier bench", ["cannot reach the engine", "nope"]),
 ]  # fmt: skip
 
 

@@ -4,7 +4,11 @@ simulator's layer).
 
 Each entry is a factory taking keyword arguments, plus the wiring value it may take from the sidecar when
 the options do not set it (:data:`WIRING`: ``url`` from the first ``--lmcache-url``, the engine's URL and
-model for ``vllm-warmup``)."""
+model for ``vllm-warmup``).
+
+The settings' actuator union (:data:`kvtier.controller.settings.ActuatorSettings`) has one more kind,
+``lmcache-l1``: the LMCache L1 keeper acts beside the reconcile loop rather than for the planner, so it is no
+:class:`Actuator`; ``control_sidecar.build_keeper`` builds it on its own ``lmcache-mp`` adapter."""
 
 from __future__ import annotations
 

@@ -213,5 +213,12 @@ def load_scenario(spec: str) -> Scenario:
     if not p.exists():
         p = bundled_scenario(spec)
     if not p.exists():
-        raise FileNotFoundError(f"scenario {spec!r} not found (neither a file nor a bundled scenario name)")
+        from importlib import resources
+
+        root = resources.files("kvtier.replay.sim").joinpath("scenarios")
+        names = sorted(x.name.removesuffix(".yaml") for x in root.iterdir() if x.name.endswith(".yaml"))
+        raise FileNotFoundError(
+            f"scenario {spec!r} not found (neither a file nor a bundled scenario name; bundled: "
+            f"{', '.join(names)})"
+        )
     return parse_scenario(yaml.safe_load(p.read_text()), source=str(p))

@@ -31,11 +31,12 @@ def plane(
     index: BlockIndex | None = None,
     clock: Clock | None = None,
     placement_policy: str | None = "learned",
+    allow_active: bool = True,
 ) -> tuple[ControlPlane, TestClient]:
     reg = CollectorRegistry()
     p = build_control_plane(
         index or BlockIndex(), registry=reg, state_dir=tmp, api_token=token, clock=clock or Clock(),
-        placement_policy=placement_policy,
+        placement_policy=placement_policy, allow_active=allow_active,
     )  # fmt: skip
     return p, TestClient(create_control_app(p, reg))
 

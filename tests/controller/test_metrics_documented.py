@@ -2,8 +2,9 @@
 ``dashboards/METRICS.md`` (counters under their exposed ``_total`` name), with the label names it has and,
 where METRICS.md lists label values, exactly the values the sidecar creates up front.
 
-The sidecar is built with every collector kind configured (engine, LMCache, Mooncake, storage) and the
-learned placement policy; its peers' URLs point at a closed loopback port; nothing is polled."""
+The sidecar is built with every collector kind configured (engine, LMCache, Mooncake, storage), the
+learned placement policy and the LMCache L1 keeper; its peers' URLs point at a closed loopback port;
+nothing is polled."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def _sidecar(tmp_path: Path) -> ControlledSidecar:
                 mooncake_urls=[down],
                 state_dir=str(tmp_path),
                 policy="learned",
+                actuators=[{"kind": "lmcache-l1", "model_name": "tiny"}],  # the L1 keeper's guard families
             )
         )
     )

@@ -136,3 +136,50 @@ def _models(tp: object) -> list[type]:
     if isinstance(tp, type) and issubclass(tp, BaseModel):
         return [tp]
     return [m for a in typing.get_args(tp) for m in _models(a)]
+
+
+def test_actuator_options_follow_the_actuator_wherever_it_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config file's options for an actuator apply when a flag or the environment names it (``kvtier bench``
+    starts ``kvtier serve --config F --actuator lmcache-l1`` with the keeper's knobs in F); the L1 keeper the
+    sidecar builds gets them."""
+    from kvtier.controller.control_sidecar import ControlledSidecar
+    from kvtier.controller.settings import LMCacheL1Settings
+
+    for k in [k for k in os.environ if k.startswith("KVTIER_")]:
+        monkeypatch.delenv(k)
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("actuator_options:\n  lmcache-l1:\n    measure_every_s: 2.0\n    model_name: tiny\n")
+    tree = tmp_path / "tree.yaml"
+    tree.write_text(
+        "actuators: [{kind: lmcache-l1, measure_every_s: 3.0, model_name: tiny}, {kind: shadow}]\n"
+    )
+    (l1,) = load_settings(flat, actuators=["lmcache-l1"]).actuators
+    assert isinstance(l1, LMCacheL1Settings) and l1.measure_every_s == 2.0
+    assert load_settings(flat).actuators == []  # options alone enable nothing
+    kinds = [(a.kind, getattr(a, "measure_every_s", None)) for a in load_settings(tree).actuators]
+    assert kinds == [("lmcache-l1", 3.0), ("shadow", None)]
+    monkeypatch.setenv("KVTIER_ACTUATORS", "shadow")  # the env's list replaces the file's ...
+    assert [a.kind for a in load_settings(tree).actuators] == ["shadow"]
+    s = load_settings(
+        tree, actuators=["lmcache-l1"], lmcache_urls=["http://127.0.0.1:9"], state_dir=str(tmp_path)
+    )
+    (l1,) = s.actuators  # ... and a name alone takes the file's entry of that kind
+    assert isinstance(l1, LMCacheL1Settings) and l1.measure_every_s == 3.0
+    sc = ControlledSidecar(s)
+    assert sc.l1_keeper is not None and sc.l1_keeper.measure_every_s == 3.0
+    assert sc.plane.loop.actuators == []  # the keeper is not a planner actuator
+    monkeypatch.setenv("KVTIER_WARMUP_TOKENS_PER_S", "5")  # flat options alone do not clear a file's list
+    monkeypatch.delenv("KVTIER_ACTUATORS")
+    assert [a.kind for a in load_settings(tree).actuators] == ["lmcache-l1", "shadow"]
+
+
+def test_unknown_key_names_the_closest_setting(tmp_path: Path) -> None:
+    cfg = tmp_path / "k.yaml"
+    cfg.write_text("engine_url: [http://127.0.0.1:1]\nactuators: [{kind: lmcache-l1, measure_every: 2}]\n")
+    with pytest.raises(SettingsError) as ei:
+        load_settings(cfg)
+    msg = str(ei.value)
+    assert "unknown key 'engine_url' (did you mean 'engine_urls'?)" in msg, msg
+    assert "unknown key 'actuators.0.measure_every' (did you mean 'measure_every_s'?)" in msg, msg

@@ -71,7 +71,7 @@ def traced(tmp_path: Path) -> Iterator[dict[str, Any]]:
         act = VllmWarmupActuator(url.rstrip("/"), "tiny", budget=WarmupBudget(1e6, 100))
         plane = build_control_plane(BlockIndex(), registry=CollectorRegistry(), state_dir=tmp_path,
                                     actuators=[act], tracer=make_tracer(provider),
-                                    api_token=TOKEN)  # fmt: skip
+                                    api_token=TOKEN, allow_active=True)  # fmt: skip
         app = create_control_app(plane, CollectorRegistry())
         instrument_app(app, provider)
         try:

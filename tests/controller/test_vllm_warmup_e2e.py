@@ -89,6 +89,7 @@ def sidecar(vllm: vllm_peer.VllmServer, tmp_path: Path) -> Iterator[Served]:
         api_token=TOKEN,
         engine_url=vllm.url,
         engine_model=vllm.served_model_name,
+        allow_active=True,
     )
     s = Served(plane, registry, exporter)
     try:

@@ -4,13 +4,17 @@ schemas of two Kubernetes versions (``kubernetes-validate``, strict: unknown fie
 PrometheusRule's rules through the real ``promtool``.
 
 The Prometheus Operator's kinds (PodMonitor, ServiceMonitor, PrometheusRule) have no schema in
-``kubernetes-validate``; their references (ports, Secret, selector) are checked against the rendered Pod and
-the rules with ``promtool check rules``."""
+``kubernetes-validate``: they go through the validators ``@kubernetes-models/prometheus-operator`` generates
+from the operator's Go API types (npm, installed by ``scripts/setup-peers.sh``; types, enums and required
+fields, but unknown fields pass), their references (ports, Secret, selector) are checked against the rendered
+Pod and the rules with ``promtool check rules``."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +58,17 @@ def render(values: dict[str, Any]) -> list[dict[str, Any]]:
     return docs
 
 
+def operator_validation(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One verdict per object (``kind``, ``name``, ``ok``, ``errors``) from the operator's validators."""
+    script = os.environ.get("KVTIER_CRD_VALIDATOR")
+    if not script:
+        pytest.fail("KVTIER_CRD_VALIDATOR unset: run scripts/setup-peers.sh and source .peers/env.sh")
+    r = subprocess.run(["node", Path(script).name], input=json.dumps(objs), capture_output=True, text=True,
+                       cwd=Path(script).parent, timeout=120, check=False)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return [json.loads(ln) for ln in r.stdout.splitlines()]
+
+
 def pod_spec(docs: list[dict[str, Any]]) -> dict[str, Any]:
     (dep,) = [d for d in docs if d["kind"] == "Deployment"]
     spec: dict[str, Any] = dep["spec"]["template"]["spec"]
@@ -73,12 +88,42 @@ def test_every_rendered_object_validates(variant: str, kube: str) -> None:
     docs = render(VARIANTS[variant])
     validated = 0
     for d in docs:
-        if d["kind"] in CRD_KINDS:
+        if d["kind"] in CRD_KINDS:  # no Kubernetes schema: test_operator_objects_validate checks them
             assert d["apiVersion"] == "monitoring.coreos.com/v1" and d["metadata"]["name"]
             continue
         kubernetes_validate.validate(d, kube, strict=True)  # raises ValidationError naming the field
         validated += 1
     assert validated >= 3  # Deployment, Service, ... at least
+
+
+@pytest.mark.node
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_operator_objects_validate(variant: str) -> None:
+    crs = [d for d in render(VARIANTS[variant]) if d["kind"] in CRD_KINDS]
+    verdicts = operator_validation(crs)
+    assert [(v["kind"], v["name"]) for v in verdicts] == [(d["kind"], d["metadata"]["name"]) for d in crs]
+    assert all(v["ok"] for v in verdicts), [v for v in verdicts if not v["ok"]]
+    want = {
+        "defaults": {"PodMonitor", "PrometheusRule"},
+        "no-lmcache-no-monitoring": set(),
+        "servicemonitor-existing-secret-pvc": {"PodMonitor", "ServiceMonitor", "PrometheusRule"},
+    }
+    assert {d["kind"] for d in crs} == want[variant]
+
+
+@pytest.mark.node
+def test_operator_validation_rejects_a_malformed_monitor() -> None:
+    """The validator can fail: a wrong type, a bad enum value and a rule without ``expr``."""
+    crs = [d for d in render({}) if d["kind"] in CRD_KINDS]
+    (pm,) = [d for d in crs if d["kind"] == "PodMonitor" and d["metadata"]["name"] == "demo-kvtier"]
+    (rule,) = [d for d in crs if d["kind"] == "PrometheusRule"]
+    pm["spec"]["podMetricsEndpoints"][0]["interval"] = 15
+    pm["spec"]["podMetricsEndpoints"][0]["scheme"] = "gopher"
+    del rule["spec"]["groups"][0]["rules"][0]["expr"]
+    verdicts = {v["kind"]: v for v in operator_validation([pm, rule])}
+    assert not verdicts["PodMonitor"]["ok"] and "interval" in verdicts["PodMonitor"]["errors"]
+    assert "scheme" in verdicts["PodMonitor"]["errors"]
+    assert not verdicts["PrometheusRule"]["ok"] and "expr" in verdicts["PrometheusRule"]["errors"]
 
 
 def test_pod_runs_kvtier_as_a_hardened_native_sidecar() -> None:

@@ -200,7 +200,8 @@ def kvtier_env(svc: dict[str, Any]) -> dict[str, str]:
 
 def test_every_kvtier_env_var_loads_into_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each ``KVTIER_*`` value of each kvtier service (and the image's ``ENV``) is a real Settings field and
-    parses; ``Settings`` ignores unknown keys, so a misspelt name would otherwise pass silently."""
+    parses; the environment source ignores unknown ``KVTIER_*`` names, so a misspelt one would otherwise pass
+    silently."""
     image_env, _ = dockerfile()
     cases = {"Dockerfile": image_env} | {n: image_env | kvtier_env(s) for n, s in kvtier_services().items()}
     assert cases["kvtier"], "the kvtier service sets no KVTIER_* variable?"
@@ -231,6 +232,7 @@ def test_kvtier_commands_parse_with_the_real_cli() -> None:
         assert ctx.params["listen"] == "0.0.0.0:8787", where
     serve = kvtier_services()["kvtier"]["command"]
     params = group.commands["serve"].make_context("serve", serve[1:]).params
+    token = kvtier_env(kvtier_services()["kvtier"])["KVTIER_API_TOKEN"]  # 0.0.0.0 needs one (from .env)
     s = Settings.model_validate(
         dict(
             mode=params["mode"],
@@ -238,6 +240,7 @@ def test_kvtier_commands_parse_with_the_real_cli() -> None:
             engine_urls=params["engine_url"],
             lmcache_urls=params["lmcache_url"],
             listen=params["listen"],
+            api_token=token,
         )
     )
     assert s.serve.mode == "shadow" and [a.kind for a in s.actuators] == ["lmcache-mp"]

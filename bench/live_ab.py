@@ -1,0 +1,208 @@
+"""Live A/B on a managed real stack: a fresh LMCache MP + vLLM CPU per run, arms of `kvtier bench`.
+
+Each run starts a fresh LMCache MP server and a fresh vLLM (LMCacheMPConnector, KV events) under a temporary
+directory, replays the workload with :mod:`kvtier.replay.live_bench`, and stops both; the shadow/active
+arms start ``kvtier serve --actuator lmcache-l1`` against them. Prints the bench table (ratios to baseline
+measured in the same invocation, arms interleaved) and writes ``--json``.
+
+Workloads: ``bundled`` (the Mooncake conversation trace), a Mooncake JSONL file, ``multiturn:SEED`` /
+``docs:SEED`` (seeded generators of :mod:`kvtier.replay.synthetic`, traces the project does not ship) and
+``once-again`` (every prompt comes back exactly once, eight prompts later: built so that second-sight
+admission loses; the guard must put the sidecar back in shadow).
+
+    . /work/main/.peers/env.sh   # KVTIER_LMCACHE_PYTHON, KVTIER_VLLM_PYTHON, KVTIER_TINY_MODEL
+    python -m bench.live_ab --workload bundled --requests 1000 --repeat 3 --json ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.policies.base import Request
+from kvtier.replay.live_bench import (
+    BenchPlan,
+    Target,
+    build_requests,
+    distinct_chunks,
+    render_table,
+    run_bench,
+    to_json,
+)
+
+CHUNK = 64
+MAX_PROMPT = 1024 - 64  # whole chunks below the managed vLLM's --max-model-len 1024 (2 output tokens)
+
+
+def once_again_trace(n: int, *, chunks: int = 8, gap: int = 8, seed: int = 7) -> list[Request]:
+    """Prompts P0, P1, ... each sent again ``gap`` prompts later, exactly once (one request per second)."""
+    rng = np.random.default_rng(seed)
+    base = int(rng.integers(1 << 40, 1 << 50))
+    order: list[int] = []
+    i = 0
+    while len(order) < n:
+        order.append(i)
+        if i >= gap:
+            order.append(i - gap)
+        i += 1
+    out = []
+    for t, p in enumerate(order[:n]):
+        ids = np.arange(base + p * chunks, base + (p + 1) * chunks, dtype=np.int64)
+        out.append(Request(float(t * 1000), chunks * CHUNK, 2, ids, CHUNK))
+    return out
+
+
+def load_workload(spec: str, n: int) -> list[Request]:
+    from kvtier.replay import synthetic
+    from kvtier.replay.trace import bundled_trace_path, load_trace
+
+    if spec == "bundled":
+        return load_trace(bundled_trace_path(), max_requests=n)
+    if spec == "once-again":
+        return once_again_trace(n)
+    kind, _, seed = spec.partition(":")
+    if kind == "multiturn" and seed:
+        return synthetic.multiturn_trace(n, seed=int(seed))[:n]
+    if kind == "docs" and seed:
+        return synthetic.shared_document_trace(n, seed=int(seed))[:n]
+    return load_trace(Path(spec), max_requests=n)
+
+
+class ManagedStack:
+    """Fresh LMCache MP + vLLM per run (tests/peers recipes), torn down after it."""
+
+    def __init__(self, root: Path, l1_gb: float, gpu_blocks: int) -> None:
+        self.root, self.l1_gb, self.gpu_blocks = root, l1_gb, gpu_blocks
+        self.lmc: Any = None
+        self.vllm: Any = None
+        self.target: Target | None = None
+
+    def up(self, arm: str, i: int) -> Target:
+        from tests.peers import vllm as vllm_peer
+        from tests.peers.lmcache import LMCacheMPServer
+
+        wd = self.root / f"run{i}_{arm}"
+        self.lmc = LMCacheMPServer(wd, chunk_size=CHUNK, l1_gb=self.l1_gb).start()
+        kvt = {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "lmcache.mp.host": "tcp://127.0.0.1",
+                "lmcache.mp.port": self.lmc.zmq_port,
+                "lmcache.mp.mq_timeout": 30,
+            },
+        }
+        self.vllm = vllm_peer.start(
+            extra_args=["--kv-transfer-config", json.dumps(kvt)],
+            num_gpu_blocks=self.gpu_blocks,
+            workdir=wd / "vllm",
+            replay_endpoint=None,
+        )
+        self.target = Target(self.vllm.url, self.lmc.url, vllm_peer.SERVED_MODEL)
+        return self.target
+
+    def down(self, arm: str, i: int) -> None:
+        if self.vllm is not None:
+            self.vllm.stop()
+            self.vllm = None
+        if self.lmc is not None:
+            self.lmc.stop()
+            shutil.rmtree(self.lmc.l2_dir, ignore_errors=True)
+            self.lmc = None
+
+
+def run_ab(
+    workload: str,
+    n: int,
+    *,
+    arms: Sequence[str] = ("baseline", "active"),
+    repeat: int = 1,
+    l1_gb: float = 0.028,
+    gpu_blocks: int = 96,
+    concurrency: int = 1,
+    root: Path | None = None,
+    progress: Any = None,
+    sidecar_extra: Sequence[str] = (),
+) -> dict[str, Any]:
+    """One interleaved A/B on fresh stacks -> the bench result (``{"arms": ...}``) + the workload facts."""
+    trace = load_workload(workload, n)
+    reqs = build_requests(trace, chunk=CHUNK, vocab=512, max_prompt_tokens=MAX_PROMPT, max_tokens=2)
+    owns = root is None
+    tmp = Path(root or tempfile.mkdtemp(prefix="kvtier-ab-"))
+    stack = ManagedStack(tmp, l1_gb, gpu_blocks)
+    holder: dict[str, Target] = {}
+
+    holder_i: dict[str, int] = {}
+
+    def before(arm: str, i: int) -> Target:
+        holder["t"], holder_i["i"] = stack.up(arm, i), i
+        return holder["t"]
+
+    def args_for() -> list[str]:  # per run: the URLs change with every fresh stack
+        t, i = holder["t"], holder_i["i"]
+        return ["--engine-url", t.engine_url, "--lmcache-url", str(t.lmcache_url), "--actuator", "lmcache-l1",
+                "--policy", "none", "--state-dir", str(tmp / f"state{i}"), *sidecar_extra]  # fmt: skip
+
+    plan = BenchPlan(
+        target=Target("", None, "tiny"),
+        reqs=reqs,
+        arms=list(arms),
+        repeat=repeat,
+        concurrency=concurrency or None,
+        sidecar_args=args_for,
+        workdir=tmp,
+        sidecar_exe=[sys.executable, "-m", "kvtier"],
+        before_run=before,
+        after_run=stack.down,
+    )
+    try:
+        out = run_bench(plan, progress)
+    finally:
+        stack.down("", -1)
+        if owns:
+            shutil.rmtree(tmp, ignore_errors=True)
+    out["workload"] = {
+        "spec": workload,
+        "requests": len(reqs),
+        "distinct_chunks": distinct_chunks(trace, chunk=CHUNK, max_prompt_tokens=MAX_PROMPT),
+        "prompt_tokens": sum(len(r.prompt) for r in reqs),
+        "l1_gb": l1_gb,
+        "gpu_blocks": gpu_blocks,
+    }
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", default="bundled")
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--arms", default="baseline,active")
+    ap.add_argument("--l1-gb", type=float, default=0.028)
+    ap.add_argument("--gpu-blocks", type=int, default=96)
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*cols, console=Console(stderr=True), transient=True) as prog:
+        out = run_ab(a.workload, a.requests, arms=a.arms.split(","), repeat=a.repeat, l1_gb=a.l1_gb,
+                     gpu_blocks=a.gpu_blocks, concurrency=a.concurrency, progress=prog)  # fmt: skip
+    Console().print(render_table(out["arms"]))
+    print(json.dumps(out["workload"]))
+    if a.json:
+        a.json.write_text(to_json(out))
+
+
+if __name__ == "__main__":
+    main()

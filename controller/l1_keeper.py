@@ -1,0 +1,356 @@
+"""LMCache MP L1 keeper: second-sight admission acted out chunk by chunk, behind a counterfactual guard.
+
+Fed every ``BlockStored`` event's chain (through the token store), it maps the event's newly completed
+vLLM blocks to LMCache chunk keys (LMCache's chunk hash over the whole token prefix, model *path*, kv_rank),
+asks :class:`~kvtier.policies.l1_admission.AdmissionCore` which are first sightings and, in active mode
+while the guard lets it, drops exactly those chunks from L1 (``DELETE /cache/objects`` tier ``l1``, one key
+each -- never a prefix, so shared ancestors stay) once their L2 copy is verified (never the last copy). A
+chunk whose L2 copy has not appeared after ``verify_deadline_s`` is left alone (counted ``skipped``).
+When a dropped chunk is looked up again (its second sight), LMCache serves it from L2 through a temporary L1
+copy it frees after the read; so the keeper admits it itself: one ``POST /cache/prefetches`` (L2 -> L1) of
+the prefix through that chunk, off the request path (counted ``l1_readmit``).
+
+What the layer can and cannot tell (reported in ``status()``): L2 residency per key is verified (``fs``
+files); L1 residency per key is not observable (LMCache MP exposes counts only), so the keeper never
+assumes a chunk is in L1 -- a delete that finds nothing is counted ``skipped``, and the L1 capacity used by
+the counterfactual is the largest L1 object count ``/status`` reported.
+
+Work happens on one worker thread (never inside the reconcile tick). Outcomes go to
+``kvtier_actuations_total{layer="lmcache-mp", action="l1_admission"}``; the guard exports
+``kvtier_guard_trips_total``, ``kvtier_guard_resumes_total``, ``kvtier_guard_windows_total{verdict}`` and
+``kvtier_guard_acting`` (1 = acting, 0 = held in shadow).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier.controller.actuators.base import BlockRef, Outcome
+from kvtier.controller.actuators.lmcache_keys import ObjectKey, object_keys
+from kvtier.controller.actuators.lmcache_mp import LMCacheMPActuator
+from kvtier.policies.l1_admission import AdmissionCore
+
+log = logging.getLogger(__name__)
+
+
+class GuardMetrics:
+    """``kvtier_guard_*`` families (one set per registry)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.trips = Counter("kvtier_guard_trips", "Guard fell back to shadow (acting was net harmful).",
+                             registry=registry)  # fmt: skip
+        self.resumes = Counter("kvtier_guard_resumes", "Guard resumed acting (the counterfactual pays).",
+                               registry=registry)  # fmt: skip
+        self.windows = Counter("kvtier_guard_windows", "Guard windows closed, by verdict.", ["verdict"],
+                               registry=registry)  # fmt: skip
+        self.acting = Gauge("kvtier_guard_acting", "1 while the guard lets the sidecar act, 0 in shadow.",
+                            registry=registry)  # fmt: skip
+        self.net = Gauge("kvtier_guard_last_window_net_hit_chunks",
+                         "Simulated L1 hits of admission minus the layer default, last window, chunks.",
+                         registry=registry)  # fmt: skip
+        self.periods = Counter("kvtier_guard_measured_periods",
+                               "Periods judged on the layer's own L1-hit counter, by verdict.", ["verdict"],
+                               registry=registry)  # fmt: skip
+        self.k = Gauge("kvtier_guard_calibration_ratio",
+                       "Real L1 hits per simulated default L1 hit, from periods the layer ran its default.",
+                       registry=registry)  # fmt: skip
+
+
+class L1Keeper:
+    """See module doc. ``is_active`` says whether the sidecar's mode is ``active``."""
+
+    def __init__(
+        self,
+        actuator: LMCacheMPActuator,
+        *,
+        chain_tokens: Callable[[int], tuple[int, ...] | None],
+        is_active: Callable[[], bool],
+        registry: CollectorRegistry,
+        record: Callable[[str, int], None] = lambda outcome, n: None,
+        capacity_chunks: int = 256,
+        window: int = 512,
+        delay_s: float = 0.5,
+        verify_deadline_s: float = 15.0,
+        status_every_s: float = 2.0,
+        measure_every_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.act = actuator
+        self.chain_tokens = chain_tokens
+        self.is_active = is_active
+        self.record = record
+        self.core = AdmissionCore(capacity_chunks, window=window, require_calibration=True)
+        self._core_lock = threading.Lock()  # observe (ingest thread) vs measure (worker)
+        self.metrics = GuardMetrics(registry)
+        self.metrics.acting.set(1)
+        self.delay_s = delay_s
+        self.verify_deadline_s = verify_deadline_s
+        self.status_every_s = status_every_s
+        self.measure_every_s = measure_every_s
+        self._next_measure = 0.0
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        # (due, seq, give-up time, chunk key to drop | token prefix to load into L1)
+        self._due: list[tuple[float, int, float, ObjectKey | tuple[int, ...]]] = []
+        self._seq = 0
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._next_status = 0.0
+        self._max_objects = 0
+        self._dropped: OrderedDict[str, None] = OrderedDict()  # chunks we dropped from L1 (bounded)
+        self._dropped_max = 1 << 18
+        self._last_hash: int | None = None  # last block of the previous event
+        self._synced = (0, 0, 0)  # core trips, resumes, windows already exported
+        self.counts: dict[str, int] = dict.fromkeys(
+            (
+                "applied",
+                "skipped",
+                "failed",
+                "would_drop",
+                "unmapped_events",
+                "readmitted",
+                "readmit_failed",
+                "measure_failed",
+            ),
+            0,
+        )
+
+    # ---- ingest (ingest thread) ------------------------------------------------------------------
+    def on_block_stored(self, parent: int | None, last_hash: int, n_blocks: int, block_size: int) -> None:
+        """The chain ending at ``last_hash`` just gained ``n_blocks`` blocks of ``block_size`` tokens.
+
+        A request's look-up at the layer covers its whole prompt, GPU-cached prefix included, so the access
+        the counterfactual sees is every chunk of the chain -- unless this event continues the previous
+        one (``parent`` = its last block: the same request's prefill in pieces), then only the new chunks.
+        Only new chunks (stored by this event) are candidates to drop."""
+        toks = self.chain_tokens(last_hash)
+        if not toks:
+            self.counts["unmapped_events"] += 1
+            return
+        try:
+            cs = self.act.chunk_size()
+        except Exception:  # noqa: BLE001 - layer unreachable: nothing to map now
+            self.counts["unmapped_events"] += 1
+            return
+        continues = parent is not None and parent == self._last_hash
+        self._last_hash = last_hash
+        start = max(0, len(toks) - n_blocks * block_size)
+        first_new = start // cs  # chunks ending after ``start`` are new (or completed now)
+        keys = object_keys(self.act.model_name, toks, cs)
+        if first_new >= len(keys):
+            return
+        accessed = keys[first_new:] if continues else keys
+        with self._core_lock:
+            drop = set(self.core.observe([k.chunk_hash_hex for k in accessed]))
+            self._sync_guard()
+        todo = [k for k in keys[first_new:] if k.chunk_hash_hex in drop]
+        # second sight of a chunk we dropped: LMCache serves it from L2 through a temporary L1 copy that it
+        # frees after the read, so admission means loading the prefix into L1 ourselves
+        back = [i for i, k in enumerate(accessed) if k.chunk_hash_hex in self._dropped]
+        if not todo and not back:
+            return
+        if not self.is_active():
+            self.counts["would_drop"] += len(todo)
+            return
+        now = self.clock()
+        with self._cv:
+            for k in todo:
+                self._seq += 1
+                heapq.heappush(self._due, (now + self.delay_s, self._seq, now + self.verify_deadline_s, k))
+            if back and self.core.acting:
+                last = back[-1] + (len(keys) - len(accessed))  # index in ``keys``
+                for i in back:
+                    self._dropped.pop(accessed[i].chunk_hash_hex, None)
+                self._seq += 1
+                heapq.heappush(
+                    self._due, (now, self._seq, now + self.verify_deadline_s, toks[: (last + 1) * cs])
+                )
+            self._cv.notify()
+
+    def _sync_guard(self) -> None:
+        c, m = self.core, self.metrics
+        if c.trips > self._synced[0]:
+            m.trips.inc(c.trips - self._synced[0])
+            log.warning("guard: second-sight admission lost to the layer's default over a window; shadow")
+        if c.resumes > self._synced[1]:
+            m.resumes.inc(c.resumes - self._synced[1])
+            log.warning("guard: second-sight admission would pay again; acting")
+        for w in c.windows[len(c.windows) - (c.windows_closed - self._synced[2]) :]:
+            m.windows.labels(verdict=w.verdict).inc()
+        self._synced = (c.trips, c.resumes, c.windows_closed)
+        m.acting.set(1 if c.acting else 0)
+        if c.windows:
+            w = c.windows[-1]
+            m.net.set(w.admission_hits - w.default_hits)
+
+    # ---- worker ----------------------------------------------------------------------------------
+    def start(self) -> L1Keeper:
+        self._thread = threading.Thread(target=self._run, name="kvtier-l1-keeper", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                if self._stop:
+                    return
+                now = self.clock()
+                if not self._due or self._due[0][0] > now:
+                    wait = min(
+                        self._due[0][0] - now if self._due else self.status_every_s, self.status_every_s
+                    )
+                    self._cv.wait(timeout=max(wait, 0.01))
+                    item = None
+                else:
+                    item = heapq.heappop(self._due)
+            try:
+                self._refresh_capacity()
+                self._measure()
+                if item is not None:
+                    self._handle(item)
+            except Exception:  # noqa: BLE001 - the worker must survive a bad reply
+                log.exception("l1 keeper: step failed")
+
+    def _refresh_capacity(self) -> None:
+        now = self.clock()
+        if now < self._next_status:
+            return
+        self._next_status = now + self.status_every_s
+        st = self.act.server_status()  # the same adapter: the same breaker
+        l1s = [
+            m
+            for m in ((st.get("storage_manager") or {}).get("l1_managers") or {}).values()
+            if isinstance(m, dict)
+        ]
+        n = sum(int(m.get("total_object_count", 0)) for m in l1s)
+        used = sum(float(m.get("memory_used_bytes", 0)) for m in l1s)
+        total = sum(float(m.get("memory_total_bytes", 0)) for m in l1s)
+        # capacity in chunks: what the layer has held at most, or its byte capacity over the bytes per chunk
+        # (our own drops keep the object count low, so the count alone would under-estimate it)
+        est = int(total / (used / n)) if n > 0 and used > 0 else 0
+        cap = max(self._max_objects, n, est)
+        if cap > 0 and cap != self.core.capacity:
+            self._max_objects = max(self._max_objects, n)
+            self.core.set_capacity(cap)
+
+    def _measure(self) -> None:
+        """Every ``measure_every_s``: close a guard period at LMCache's own L1-hit counter (see the core)."""
+        now = self.clock()
+        if now < self._next_measure:
+            return
+        self._next_measure = now + self.measure_every_s
+        try:
+            reply, _ = self.act.caller.request("GET", "/metrics")
+            tokens = l1_hit_tokens(reply.body if reply.status == 200 and isinstance(reply.body, str) else "")
+            chunks = tokens / self.act.chunk_size() if tokens is not None else None
+        except Exception:  # noqa: BLE001 - layer unreachable: this period is not judged
+            chunks = None
+        if chunks is None:
+            self.counts["measure_failed"] += 1
+            return
+        with self._core_lock:
+            verdict = self.core.measure(chunks, layer_active=self.is_active())
+            self.metrics.periods.labels(verdict=verdict).inc()
+            if self.core.k is not None:
+                self.metrics.k.set(self.core.k)
+            if verdict == "harmful":
+                log.warning("guard: LMCache's L1 hits fell below the default's (measured); shadow")
+            self._sync_guard()
+
+    def _handle(self, item: tuple[float, int, float, ObjectKey | tuple[int, ...]]) -> None:
+        _, _, give_up, key = item
+        if isinstance(key, tuple):
+            self._readmit(key)
+            return
+        v = self.act.verifier()
+        if v is None or not v.has_copy(key):
+            if v is not None and self.clock() < give_up:
+                with self._cv:
+                    self._seq += 1
+                    heapq.heappush(self._due, (self.clock() + self.delay_s, self._seq, give_up, key))
+                return
+            self._count("skipped")
+            return
+        if not self.is_active() or not self.core.acting:
+            self._count("skipped")
+            return
+        reply, _ = self.act.caller.request(
+            "DELETE", "/cache/objects", {"keys": [key.encoded()], "tier": "l1"}
+        )
+        if reply.status == 200 and isinstance(reply.body, dict) and int(reply.body.get("deleted", 0)) > 0:
+            self._count("applied")
+            self._dropped[key.chunk_hash_hex] = None
+            if len(self._dropped) > self._dropped_max:
+                self._dropped.popitem(last=False)
+        elif reply.status == 200:
+            self._count("skipped")
+        else:
+            self._count("failed")
+
+    def _readmit(self, tokens: tuple[int, ...]) -> None:
+        if not self.is_active() or not self.core.acting:
+            return
+        res = self.act.prefetch([BlockRef(model=self.act.model_name, token_ids=tokens)])
+        ok = any(o.outcome is Outcome.APPLIED for o in res.outcomes)
+        self._count("readmitted" if ok else "readmit_failed", "l1_readmit")
+
+    def _count(self, outcome: str, action: str = "l1_admission") -> None:
+        self.counts[outcome] = self.counts.get(outcome, 0) + 1
+        self.record(f"{action}:{outcome}", 1)
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            pending = len(self._due)
+        return {
+            "strategy": "second-sight admission (drop first-sight chunks from L1 once L2 holds them)",
+            "residency": {
+                "l1": "counts only (LMCache MP /status); per-key L1 residency is not observable",
+                "l2": "per key (fs files)" if self.act.verifier() is not None else "not observable",
+            },
+            "pending": pending,
+            "counts": dict(self.counts),
+            "guard": self.core.status(),
+        }
+
+
+L1_HIT_TOKENS = "lmcache_mp_lookup_hit_l1_tokens"  # LMCache MP's counter (family name, no ``_total``)
+
+
+def l1_hit_tokens(metrics_text: str) -> float | None:
+    """LMCache MP's look-up hits served from L1 (tokens, summed over label sets) in a ``/metrics`` text;
+    None when absent (LMCache creates the family lazily, at its first look-up: then no hits yet -> 0.0 if
+    any other ``lmcache_mp_`` family is there)."""
+    total: float | None = None
+    seen_layer = False
+    for fam in text_string_to_metric_families(metrics_text):
+        seen_layer = seen_layer or fam.name.startswith("lmcache_mp_")
+        if fam.name == L1_HIT_TOKENS:
+            total = sum(x.value for x in fam.samples if x.name.endswith("_total"))
+    return total if total is not None else (0.0 if seen_layer else None)
+
+
+def keeper_hook(keeper: L1Keeper) -> Callable[[int | None, Sequence[int], int], None]:
+    """``(parent, event block hashes (folded), block_size)`` -> feed the keeper the event's chain."""
+
+    def hook(parent: int | None, hashes: Sequence[int], block_size: int) -> None:
+        if hashes:
+            keeper.on_block_stored(parent, int(hashes[-1]), len(hashes), block_size)
+
+    return hook

@@ -1,0 +1,617 @@
+"""``kvtier bench``: a live A/B harness against a real OpenAI-compatible engine and its KV-cache layer.
+
+It replays a Mooncake-format trace against ``--engine-url`` and reports, per arm (``baseline`` = no sidecar,
+``shadow``, ``active``), client-side TTFT, throughput and the hit tokens by source, read from the engine's and
+the cache layer's own Prometheus counters before and after each run (the figures are the layer's, not ours).
+
+Prompt recipe (why: shared hash prefixes must become shared token prefixes, chunk-aligned with the cache
+layer): every ``hash_id`` becomes a deterministic chunk of ``chunk_tokens`` token ids drawn from a generator
+seeded by ``(seed, hash_id)``; a prompt is the concatenation of its request's chunks, capped at
+``max_prompt_tokens`` (whole chunks only). Prompts go out as token-id lists (``/v1/completions``), so no
+tokenizer is involved and the token prefix is exact.
+
+Hit tokens by source (all deltas over one run, tokens):
+- ``gpu_hit_tokens``: vLLM's local prefix cache (``vllm:prefix_cache_hits``);
+- ``external_hit_tokens``: vLLM's external (connector) hits (``vllm:external_prefix_cache_hits``);
+- ``l1_hit_tokens`` / ``l2_hit_tokens``: LMCache MP lookup hits served from L1 / L2
+  (``lmcache_mp_lookup_hit_l{1,2}_tokens``);
+- ``hit_tokens_total`` = gpu + external; ``recomputed_tokens`` = prompt tokens - hit_tokens_total.
+
+Statistics: TTFT CIs are percentile bootstraps over requests (all runs of the arm pooled); counter CIs are
+bootstraps over runs (a single run gives a degenerate interval: its value twice). Ratios to baseline use
+the same resamples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import shlex
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from kvtier.collectors.promtext import parse_families
+from kvtier.policies.base import Request
+
+ARMS = ("baseline", "shadow", "active")
+_TOKEN_LO = 10  # skip the lowest ids (special tokens of most vocabularies)
+
+# ---------------------------------------------------------------------------------------------------------
+# prompts
+
+
+def chunk_tokens(hash_id: int, chunk: int, *, vocab: int, seed: int = 0) -> list[int]:
+    """The ``chunk`` token ids that stand for one trace ``hash_id`` (pure, deterministic)."""
+    rng = np.random.default_rng([seed & 0xFFFFFFFF, int(hash_id) & 0xFFFFFFFFFFFFFFFF])
+    return [int(t) for t in rng.integers(_TOKEN_LO, max(vocab, _TOKEN_LO + 1), size=chunk)]
+
+
+def build_prompt(
+    hash_ids: Sequence[int] | np.ndarray, *, chunk: int, vocab: int, max_prompt_tokens: int, seed: int = 0
+) -> list[int]:
+    """Token ids of one request: its chunks in order, whole chunks only, at most ``max_prompt_tokens``."""
+    n = max(1, max_prompt_tokens // chunk)
+    out: list[int] = []
+    for h in list(hash_ids)[:n]:
+        out.extend(chunk_tokens(int(h), chunk, vocab=vocab, seed=seed))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    """One request to send: arrival offset (s, already scaled) and its prompt token ids."""
+
+    at_s: float
+    prompt: list[int]
+    max_tokens: int
+
+
+def build_requests(
+    trace: Sequence[Request],
+    *,
+    chunk: int,
+    vocab: int,
+    max_prompt_tokens: int,
+    max_tokens: int = 2,
+    time_scale: float = 1.0,
+    seed: int = 0,
+) -> list[BenchRequest]:
+    """Trace -> requests; ``time_scale`` divides the trace's inter-arrival times (2 = twice as fast)."""
+    if not trace:
+        return []
+    t0 = float(trace[0].timestamp_ms)
+    return [
+        BenchRequest(
+            (float(r.timestamp_ms) - t0) / 1000.0 / max(time_scale, 1e-9),
+            build_prompt(
+                [int(h) for h in r.hash_ids],
+                chunk=chunk,
+                vocab=vocab,
+                max_prompt_tokens=max_prompt_tokens,
+                seed=seed,
+            ),
+            max(1, min(max_tokens, int(r.output_length) or 1)),
+        )
+        for r in trace
+    ]
+
+
+def distinct_chunks(trace: Sequence[Request], *, chunk: int, max_prompt_tokens: int) -> int:
+    """Distinct (prefix) chunks the workload stores: each hash_id stands for its whole prefix."""
+    n = max(1, max_prompt_tokens // chunk)
+    return len({int(h) for r in trace for h in list(r.hash_ids)[:n]})
+
+
+def engine_max_len(engine_url: str, timeout_s: float = 10.0) -> int | None:
+    """The engine's context length (vLLM's ``/v1/models`` ``max_model_len``), or None when not reported."""
+    try:
+        data = httpx.get(engine_url.rstrip("/") + "/v1/models", timeout=timeout_s).json()["data"]
+        return int(data[0]["max_model_len"])
+    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+def prompt_cap(max_prompt_tokens: int, max_len: int | None, max_tokens: int) -> int:
+    """Prompt tokens that fit: the user's cap, and the model's length minus the output tokens."""
+    return max_prompt_tokens if max_len is None else max(1, min(max_prompt_tokens, max_len - max_tokens))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# statistics (pure)
+
+
+def _mean(a: np.ndarray) -> float:
+    return float(np.mean(a))
+
+
+def bootstrap_ci(
+    values: Sequence[float] | np.ndarray,
+    stat: Callable[[np.ndarray], float] = _mean,
+    *,
+    n_boot: int = 2000,
+    alpha: float = 0.05,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile bootstrap ``(lo, hi)`` of ``stat`` over ``values``; ``(nan, nan)`` when empty."""
+    a = np.asarray(values, dtype=float)
+    if a.size == 0:
+        return (math.nan, math.nan)
+    if a.size == 1:
+        return (float(a[0]), float(a[0]))
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, a.size, size=(n_boot, a.size))
+    boots = a[idx].mean(axis=1) if stat is _mean else np.array([stat(a[i]) for i in idx])
+    lo, hi = np.quantile(boots, [alpha / 2, 1 - alpha / 2])
+    return (float(lo), float(hi))
+
+
+def bootstrap_ratio_ci(
+    a: Sequence[float] | np.ndarray,
+    b: Sequence[float] | np.ndarray,
+    stat: Callable[[np.ndarray], float] = _mean,
+    *,
+    n_boot: int = 2000,
+    alpha: float = 0.05,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile bootstrap CI of ``stat(a) / stat(b)`` (independent resamples of a and b)."""
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if x.size == 0 or y.size == 0:
+        return (math.nan, math.nan)
+    rng = np.random.default_rng(seed)
+    ratios = np.empty(n_boot)
+    for i in range(n_boot):
+        den = stat(y[rng.integers(0, y.size, y.size)])
+        num = stat(x[rng.integers(0, x.size, x.size)])
+        ratios[i] = num / den if den else math.nan
+    ratios = ratios[np.isfinite(ratios)]
+    if ratios.size == 0:
+        return (math.nan, math.nan)
+    lo, hi = np.quantile(ratios, [alpha / 2, 1 - alpha / 2])
+    return (float(lo), float(hi))
+
+
+def _q(p: float) -> Callable[[np.ndarray], float]:
+    return lambda a: float(np.quantile(a, p))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# counters
+
+
+def scrape_counters(url: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """``GET url/metrics`` -> {sample name: value summed over label sets}; {} when unreachable."""
+    try:
+        text = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout_s).text
+    except httpx.HTTPError:
+        return {}
+    p = parse_families(text)
+    out: dict[str, float] = {}
+    for name, samples in p.samples.items():
+        out[name] = float(sum(s.value for s in samples))
+    return out
+
+
+def scrape_labelled(
+    url: str, name: str, timeout_s: float = 10.0, label: str | None = None
+) -> dict[str, float]:
+    """One counter's samples keyed by its ``label`` value, or by ``action/outcome`` labels
+    (kvtier_actuations_total) when no label is named."""
+    try:
+        text = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout_s).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for s in parse_families(text).get(name):
+        k = (
+            s.labels.get(label, "?")
+            if label
+            else f"{s.labels.get('action', '?')}/{s.labels.get('outcome', '?')}"
+        )
+        out[k] = out.get(k, 0.0) + s.value
+    return out
+
+
+def _d(after: Mapping[str, float], before: Mapping[str, float], *names: str) -> float:
+    for n in names:
+        if n in after:
+            return after[n] - before.get(n, 0.0)
+    return 0.0
+
+
+def counter_deltas(
+    eng0: Mapping[str, float], eng1: Mapping[str, float], lmc0: Mapping[str, float], lmc1: Mapping[str, float]
+) -> dict[str, float]:
+    """Hit tokens by source over one run (see module doc), tokens."""
+    prompt = _d(eng1, eng0, "vllm:prompt_tokens_total")
+    gpu = _d(eng1, eng0, "vllm:prefix_cache_hits_total")
+    ext = _d(eng1, eng0, "vllm:external_prefix_cache_hits_total")
+    return {
+        "prompt_tokens": prompt,
+        "gpu_hit_tokens": gpu,
+        "external_hit_tokens": ext,
+        "hit_tokens_total": gpu + ext,
+        "recomputed_tokens": max(0.0, prompt - gpu - ext),
+        "l1_hit_tokens": _d(lmc1, lmc0, "lmcache_mp_lookup_hit_l1_tokens_total"),
+        "l2_hit_tokens": _d(lmc1, lmc0, "lmcache_mp_lookup_hit_l2_tokens_total"),
+        "l2_prefetch_chunks": _d(lmc1, lmc0, "lmcache_mp_l2_prefetch_load_completed_chunks_total"),
+        "l1_evicted_chunks": _d(lmc1, lmc0, "lmcache_mp_l1_evicted_chunks_total"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sending
+
+
+@dataclass(slots=True)
+class RunResult:
+    """One run of one arm."""
+
+    arm: str
+    ttft_s: list[float] = field(default_factory=list)
+    failed: int = 0
+    wall_s: float = 0.0
+    prompt_tokens_sent: int = 0
+    counters: dict[str, float] = field(default_factory=dict)
+    actuations: dict[str, float] = field(default_factory=dict)
+    guard: dict[str, float] = field(default_factory=dict)
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest) -> float | None:
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
+            "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return None
+            first: float | None = None
+            async for line in r.aiter_lines():
+                if first is None and line.startswith("data:") and "[DONE]" not in line:
+                    first = time.perf_counter() - t0
+            return first
+    except httpx.HTTPError:
+        return None
+
+
+async def send_all(
+    engine_url: str,
+    model: str,
+    reqs: Sequence[BenchRequest],
+    *,
+    concurrency: int | None,
+    on_done: Callable[[], None] = lambda: None,
+    timeout_s: float = 600.0,
+) -> tuple[list[float], int, float]:
+    """Send every request; ``concurrency`` None = at the scaled timestamps. -> (ttfts s, failed, wall s)."""
+    url = engine_url.rstrip("/")
+    ttfts: list[float | None] = [None] * len(reqs)
+    limits = httpx.Limits(max_connections=max(concurrency or 64, 1) + 4)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        t0 = time.perf_counter()
+        if concurrency:
+            sem = asyncio.Semaphore(concurrency)
+
+            async def run(i: int) -> None:
+                async with sem:
+                    ttfts[i] = await _one(client, url, model, reqs[i])
+                on_done()
+
+        else:
+
+            async def run(i: int) -> None:
+                delay = reqs[i].at_s - (time.perf_counter() - t0)
+                if delay > 0:
+                    await asyncio.sleep(delay)  # pacing to the trace clock, not synchronisation
+                ttfts[i] = await _one(client, url, model, reqs[i])
+                on_done()
+
+        await asyncio.gather(*(run(i) for i in range(len(reqs))))
+        wall = time.perf_counter() - t0
+    ok = [t for t in ttfts if t is not None]
+    return ok, len(ttfts) - len(ok), wall
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sidecar
+
+
+@dataclass
+class Sidecar:
+    """``kvtier serve --mode <arm> --listen 127.0.0.1:<port> <args>`` started and stopped by the bench."""
+
+    args: list[str]
+    mode: str
+    port: int
+    log: Path
+    exe: list[str] = field(default_factory=lambda: ["kvtier"])
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 120.0) -> Sidecar:
+        cmd = [*self.exe, "serve", "--mode", self.mode, "--listen", f"127.0.0.1:{self.port}", *self.args]
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as fh:
+            self.proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sidecar exited ({self.proc.returncode}); see {self.log}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)  # polling readiness with a deadline
+        self.stop()
+        raise RuntimeError(f"sidecar not ready in {timeout_s} s; see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one run, and the A/B over runs
+
+
+@dataclass
+class Target:
+    """Where a run goes: engine + cache layer URLs (and the sidecar's, when one is up)."""
+
+    engine_url: str
+    lmcache_url: str | None
+    model: str
+    sidecar_url: str | None = None
+
+
+def run_once(
+    arm: str,
+    target: Target,
+    reqs: Sequence[BenchRequest],
+    *,
+    concurrency: int | None,
+    on_done: Callable[[], None] = lambda: None,
+) -> RunResult:
+    """Scrape, send every request, let the engine settle, scrape again."""
+    eng0 = scrape_counters(target.engine_url)
+    lmc0 = scrape_counters(target.lmcache_url) if target.lmcache_url else {}
+    act0 = scrape_labelled(target.sidecar_url, "kvtier_actuations_total") if target.sidecar_url else {}
+    g0 = _guard_counters(target.sidecar_url)
+    ttfts, failed, wall = asyncio.run(
+        send_all(target.engine_url, target.model, reqs, concurrency=concurrency, on_done=on_done)
+    )
+    eng1 = scrape_counters(target.engine_url)
+    lmc1 = scrape_counters(target.lmcache_url) if target.lmcache_url else {}
+    act1 = scrape_labelled(target.sidecar_url, "kvtier_actuations_total") if target.sidecar_url else {}
+    g1 = _guard_counters(target.sidecar_url)
+    return RunResult(
+        arm=arm,
+        ttft_s=ttfts,
+        failed=failed,
+        wall_s=wall,
+        prompt_tokens_sent=sum(len(r.prompt) for r in reqs),
+        counters=counter_deltas(eng0, eng1, lmc0, lmc1),
+        actuations={k: v - act0.get(k, 0.0) for k, v in act1.items() if v - act0.get(k, 0.0)},
+        guard={k: v - g0.get(k, 0.0) for k, v in g1.items()},
+    )
+
+
+def _guard_counters(url: str | None) -> dict[str, float]:
+    if not url:
+        return {}
+    c = scrape_counters(url)
+    out = {k: v for k, v in c.items() if k.startswith("kvtier_guard_") and k.endswith("_total")}
+    for name in ("kvtier_guard_windows_total", "kvtier_guard_measured_periods_total"):  # and by verdict
+        for k, v in scrape_labelled(url, name, label="verdict").items():
+            out[f"{name}{{verdict={k}}}"] = v
+    return out
+
+
+HIT_FIELDS = ("hit_tokens_total", "gpu_hit_tokens", "external_hit_tokens", "l1_hit_tokens", "l2_hit_tokens",
+              "recomputed_tokens")  # fmt: skip
+
+
+def summarize(runs: Sequence[RunResult], baseline: Sequence[RunResult] | None = None) -> dict[str, Any]:
+    """Per-arm figures (see module doc); ``ratio_to_baseline`` with CIs when baseline runs are given."""
+    ttft = [t for r in runs for t in r.ttft_s]
+    n_req = sum(len(r.ttft_s) + r.failed for r in runs)
+    wall = sum(r.wall_s for r in runs)
+    tok = sum(r.prompt_tokens_sent for r in runs)
+    per_run = {f: [r.counters.get(f, 0.0) for r in runs] for f in (*HIT_FIELDS, "l2_prefetch_chunks")}
+    tput = [r.prompt_tokens_sent / r.wall_s for r in runs if r.wall_s > 0]
+    a = np.asarray(ttft) if ttft else np.asarray([math.nan])
+    out: dict[str, Any] = {
+        "runs": len(runs),
+        "requests": n_req,
+        "failed": sum(r.failed for r in runs),
+        "ttft_mean_s": float(np.mean(a)),
+        "ttft_p50_s": float(np.quantile(a, 0.5)),
+        "ttft_p90_s": float(np.quantile(a, 0.9)),
+        "ttft_p99_s": float(np.quantile(a, 0.99)),
+        "requests_per_s": n_req / wall if wall else math.nan,
+        "throughput_tokens_per_s": tok / wall if wall else math.nan,
+        **{f: float(np.mean(v)) for f, v in per_run.items()},  # per run (mean over runs)
+        "per_run": {f: v for f, v in per_run.items()},
+        "actuations": _sum_dicts([r.actuations for r in runs]),
+        "guard": _sum_dicts([r.guard for r in runs]),
+        "ci95": {
+            "ttft_mean_s": bootstrap_ci(ttft),
+            "ttft_p50_s": bootstrap_ci(ttft, _q(0.5), n_boot=500),
+            "ttft_p99_s": bootstrap_ci(ttft, _q(0.99), n_boot=500),
+            "throughput_tokens_per_s": bootstrap_ci(tput),
+            **{f: bootstrap_ci(v) for f, v in per_run.items()},
+        },
+    }
+    if baseline:
+        bt = [t for r in baseline for t in r.ttft_s]
+        ratios: dict[str, Any] = {"ttft_mean_s": _ratio(ttft, bt)}
+        ci: dict[str, tuple[float, float]] = {"ttft_mean_s": bootstrap_ratio_ci(ttft, bt)}
+        for f in HIT_FIELDS:
+            b = [r.counters.get(f, 0.0) for r in baseline]
+            ratios[f] = _ratio(per_run[f], b)
+            ci[f] = bootstrap_ratio_ci(per_run[f], b)
+        out["ratio_to_baseline"] = ratios
+        out["ratio_ci95"] = ci
+    return out
+
+
+def _ratio(a: Sequence[float], b: Sequence[float]) -> float:
+    mb = float(np.mean(b)) if len(b) else math.nan
+    return float(np.mean(a)) / mb if mb else math.nan
+
+
+def _sum_dicts(ds: Sequence[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for d in ds:
+        for k, v in d.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def interleave(arms: Sequence[str], repeat: int) -> list[str]:
+    """Run order: arm order rotates each repetition (A B C, B C A, ...) so drift hits every arm alike."""
+    out: list[str] = []
+    for i in range(repeat):
+        k = i % len(arms)
+        out.extend([*arms[k:], *arms[:k]])
+    return out
+
+
+def render_table(arms: dict[str, dict[str, Any]]) -> Any:
+    """A rich table of the per-arm summaries."""
+    from rich.table import Table
+
+    t = Table(title="kvtier bench (ci95 in brackets; x = ratio to baseline)")
+    t.add_column("figure")
+    for a in arms:
+        t.add_column(a, justify="right")
+    rows = [
+        ("requests", "requests", "{:.0f}"),
+        ("failed", "failed", "{:.0f}"),
+        ("TTFT mean s", "ttft_mean_s", "{:.3f}"),
+        ("TTFT p50 s", "ttft_p50_s", "{:.3f}"),
+        ("TTFT p90 s", "ttft_p90_s", "{:.3f}"),
+        ("TTFT p99 s", "ttft_p99_s", "{:.3f}"),
+        ("req/s", "requests_per_s", "{:.2f}"),
+        ("prompt tok/s", "throughput_tokens_per_s", "{:.0f}"),
+        ("hit tokens (gpu+ext)", "hit_tokens_total", "{:.0f}"),
+        ("  gpu prefix", "gpu_hit_tokens", "{:.0f}"),
+        ("  external", "external_hit_tokens", "{:.0f}"),
+        ("LMCache L1 hit tok", "l1_hit_tokens", "{:.0f}"),
+        ("LMCache L2 hit tok", "l2_hit_tokens", "{:.0f}"),
+        ("recomputed tok", "recomputed_tokens", "{:.0f}"),
+        ("L2 prefetch chunks", "l2_prefetch_chunks", "{:.0f}"),
+    ]
+    for label, key, fmt in rows:
+        cells = []
+        for s in arms.values():
+            v = s.get(key, math.nan)
+            cell = fmt.format(v)
+            ci = s.get("ci95", {}).get(key)
+            if ci and key not in ("requests", "failed"):
+                cell += f" [{fmt.format(ci[0])}, {fmt.format(ci[1])}]"
+            r = s.get("ratio_to_baseline", {}).get(key)
+            if r is not None and math.isfinite(r):
+                cell += f" x{r:.3f}"
+            cells.append(cell)
+        t.add_row(label, *cells)
+    t.add_row("actuations", *[", ".join(f"{k}={v:.0f}" for k, v in sorted(s["actuations"].items())) or "-"
+                              for s in arms.values()])  # fmt: skip
+    t.add_row("guard", *[", ".join(f"{k}={v:.0f}" for k, v in sorted(s["guard"].items())) or "-"
+                         for s in arms.values()])  # fmt: skip
+    return t
+
+
+@dataclass
+class BenchPlan:
+    """Everything one ``kvtier bench`` invocation does."""
+
+    target: Target
+    reqs: list[BenchRequest]
+    arms: list[str]
+    repeat: int = 1
+    concurrency: int | None = 1
+    sidecar_args: list[str] | Callable[[], list[str]] = field(default_factory=list)  # callable: per run
+    sidecar_url: str | None = None  # use a running sidecar (its mode is the user's business)
+    reset_cmd: str | None = None  # shell command run before each run (fresh engine/cache)
+    workdir: Path = Path(".kvtier-bench")
+    sidecar_exe: list[str] = field(default_factory=lambda: ["kvtier"])
+    before_run: Callable[[str, int], Target | None] | None = None  # hook: (arm, i) -> fresh target or None
+    after_run: Callable[[str, int], None] | None = None
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_bench(plan: BenchPlan, progress: Any = None) -> dict[str, Any]:
+    """Interleaved runs of every arm; -> ``{"arms": {arm: summary}, "order": [...], ...}``."""
+    order = interleave(plan.arms, plan.repeat)
+    runs: dict[str, list[RunResult]] = {a: [] for a in plan.arms}
+    task = progress.add_task("bench", total=len(order) * len(plan.reqs)) if progress else None
+    for i, arm in enumerate(order):
+        if plan.reset_cmd:
+            subprocess.run(shlex.split(plan.reset_cmd), check=True)
+        target = plan.target
+        if plan.before_run:
+            target = plan.before_run(arm, i) or target
+        side: Sidecar | None = None
+        try:
+            if arm != "baseline" and plan.sidecar_url is None:
+                args = plan.sidecar_args() if callable(plan.sidecar_args) else plan.sidecar_args
+                side = Sidecar(args, arm, free_port(), plan.workdir / f"sidecar_{i}_{arm}.log",
+                               exe=plan.sidecar_exe).start()  # fmt: skip
+            surl = plan.sidecar_url if arm != "baseline" else None
+            t = Target(target.engine_url, target.lmcache_url, target.model, side.url if side else surl)
+            if progress is not None:
+                progress.update(task, description=f"run {i + 1}/{len(order)} {arm}")
+            done = (lambda: progress.advance(task)) if progress else (lambda: None)
+            r = run_once(arm, t, plan.reqs, concurrency=plan.concurrency, on_done=done)
+            runs[arm].append(r)
+        finally:
+            if side:
+                side.stop()
+            if plan.after_run:
+                plan.after_run(arm, i)
+    base = runs.get("baseline") or None
+    arms = {a: summarize(rs, base if a != "baseline" else None) for a, rs in runs.items()}
+    return {"arms": arms, "order": order, "requests_per_run": len(plan.reqs)}
+
+
+def to_json(result: dict[str, Any]) -> str:
+    """JSON with NaN as null."""
+
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    return json.dumps(clean(result), indent=2)

@@ -1,0 +1,120 @@
+"""Second-sight admission and its guard (pure): wins where most chunks are used once, trips where not."""
+
+from __future__ import annotations
+
+from kvtier.policies.l1_admission import AdmissionCore
+
+
+def _scan_plus_hot(core: AdmissionCore, n: int) -> None:
+    """Each request: 4 hot chunks (2 groups alternating: 8 hot in all) + 12 never-seen-again chunks."""
+    u = 10_000
+    for i in range(n):
+        hot = [i % 2 * 4 + j for j in range(4)]
+        scan = list(range(u, u + 12))
+        u += 12
+        core.observe(hot + scan)
+
+
+def test_admission_beats_lru_when_most_chunks_are_used_once() -> None:
+    c = AdmissionCore(24, window=256)
+    _scan_plus_hot(c, 400)
+    assert c.total_admission_hits > 1.5 * c.total_default_hits
+    assert c.acting and c.trips == 0
+
+
+def test_first_sight_chunks_are_dropped_second_sight_kept() -> None:
+    c = AdmissionCore(10)
+    assert c.observe(["a", "b"]) == ["a", "b"]
+    assert c.observe(["a", "c"]) == ["c"]
+
+
+def test_guard_trips_when_every_chunk_comes_back_exactly_once_and_resumes() -> None:
+    c = AdmissionCore(64, window=128)
+    base = 0
+    for i in range(200):  # prompt i, then prompt i-4 again: LRU hits all repeats, admission none
+        c.observe(list(range(base + i * 8, base + i * 8 + 8)))
+        if i >= 4:
+            c.observe(list(range(base + (i - 4) * 8, base + (i - 4) * 8 + 8)))
+    assert c.trips == 1 and not c.acting
+    assert c.observe(list(range(10**6, 10**6 + 4))) == []  # held in shadow: nothing to drop
+    assert "harmful" in [w.verdict for w in c.windows]
+    c.set_capacity(24)
+    _scan_plus_hot(c, 400)  # the workload changes: admission would pay again
+    assert c.resumes >= 1 and c.acting
+
+
+def test_capacity_follows_the_layer() -> None:
+    c = AdmissionCore(100)
+    c.set_capacity(3)
+    c.observe([1, 2, 3, 4, 1, 2, 3, 4])
+    assert c.total_default_hits == 0  # LRU of 3 over a cycle of 4 never hits
+
+
+def _near_far(core: AdmissionCore, n: int, start: list[int] = [10**5]) -> None:  # noqa: B006 - a counter
+    """Each request: 4 chunks of 2 alternating groups (LRU keeps them), 4 of 5 rotating groups (LRU at 36
+    chunks loses them, admission keeps them) and 8 never-seen-again chunks: the default hits, admission
+    hits twice as much."""
+    for i in range(n):
+        hot = [i % 2 * 4 + j for j in range(4)] + [100 + i % 5 * 4 + j for j in range(4)]
+        core.observe(hot + list(range(start[0], start[0] + 8)))
+        start[0] += 8
+
+
+def _calibrated(k: float = 0.8) -> tuple[AdmissionCore, float]:
+    """A core that needs calibration, calibrated over two default periods where the layer's real L1 hits
+    were ``k`` x the simulated default's; returns it with the real counter so far (chunks)."""
+    c = AdmissionCore(36, window=256, require_calibration=True)
+    real = 0.0
+    assert c.measure(real) == "start"
+    for _ in range(2):
+        assert c.observe(list(range(10**6, 10**6 + 4))) == []  # not acting while calibrating
+        d0 = c.total_default_hits
+        _near_far(c, 100)
+        real += k * (c.total_default_hits - d0)
+        assert c.measure(real) == "calibrated"
+    assert c.acting and c.k is not None and abs(c.k - 0.8) < 1e-9 and c.calibrations == 2
+    return c, real
+
+
+def test_measured_guard_calibrates_on_default_periods_before_acting() -> None:
+    c, _ = _calibrated()
+    assert c.observe([10**7]) == [10**7]  # acting now: a first sight is dropped
+
+
+def test_measured_guard_keeps_acting_while_the_real_counter_pays() -> None:
+    c, real = _calibrated()
+    d0 = c.total_default_hits
+    _near_far(c, 100)
+    real += 1.3 * 0.8 * (c.total_default_hits - d0)  # 30 % more real L1 hits than the default would get
+    assert c.measure(real) == "pays" and c.acting and c.trips == 0
+
+
+def test_measured_harm_trips_even_when_the_simulation_says_pays_and_backs_off() -> None:
+    c, real = _calibrated()
+    holds = []
+    for _ in range(2):
+        d0 = c.total_default_hits
+        _near_far(c, 100)  # the simulation credits admission (it pays in every window) ...
+        assert c.windows[-1].verdict == "pays"
+        real += 0.5 * 0.8 * (c.total_default_hits - d0)  # ... but the layer really lost half its L1 hits
+        assert c.measure(real) == "harmful" and not c.acting
+        holds.append(c.status()["measured"]["hold_windows"])  # type: ignore[index]
+        closed = c.windows_closed
+        while not c.acting:  # held: the simulated "pays" windows only resume after the back-off
+            _near_far(c, 10)
+        held = c.windows_closed - closed
+        assert held == holds[-1], (held, holds)  # resumes at the window that ends the hold
+        c.measure(real)  # the period of the resume is mixed: not judged
+    assert holds == [1, 2] and c.measured_trips == 2 and c.resumes == 2
+
+
+def test_measured_guard_skips_periods_it_cannot_judge() -> None:
+    c, real = _calibrated()
+    assert c.measure(real) == "too_few"  # nothing simulated since the last reading
+    assert c.measure(real - 5) == "reset"  # the layer restarted: its counter went back
+    _near_far(c, 100)
+    assert c.measure(real + 1, layer_active=False) == "mixed"  # the mode left active within the period
+    d0 = c.total_default_hits
+    _near_far(c, 100)
+    assert c.measure(real + 1 + 0.9 * (c.total_default_hits - d0), layer_active=False) == "calibrated"
+    assert c.k is not None and abs(c.k - 0.85) < 1e-9 and c.trips == 0

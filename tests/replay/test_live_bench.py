@@ -1,0 +1,136 @@
+"""Pure parts of ``kvtier bench``: prompts, bootstrap CIs, counter deltas, summaries, arm order."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from kvtier.policies.base import Request
+from kvtier.replay.live_bench import (
+    BenchRequest,
+    RunResult,
+    bootstrap_ci,
+    bootstrap_ratio_ci,
+    build_prompt,
+    build_requests,
+    counter_deltas,
+    interleave,
+    prompt_cap,
+    summarize,
+    to_json,
+)
+
+
+def _req(ids: list[int], t_ms: float = 0.0) -> Request:
+    return Request(t_ms, len(ids) * 64, 2, np.asarray(ids, dtype=np.int64), 64)
+
+
+def test_shared_hash_prefix_is_shared_token_prefix() -> None:
+    a = build_prompt([1, 2, 3, 4], chunk=64, vocab=512, max_prompt_tokens=1024)
+    b = build_prompt([1, 2, 9], chunk=64, vocab=512, max_prompt_tokens=1024)
+    assert a[:128] == b[:128]  # hash ids 1, 2 shared
+    assert a[128:192] != b[128:192]  # 3 vs 9 differ
+    assert len(a) == 256 and len(b) == 192
+    assert all(10 <= t < 512 for t in a)
+
+
+def test_prompt_is_deterministic_and_seeded() -> None:
+    assert build_prompt([5, 6], chunk=32, vocab=1000, max_prompt_tokens=64) == build_prompt(
+        [5, 6], chunk=32, vocab=1000, max_prompt_tokens=64
+    )
+    assert build_prompt([5], chunk=32, vocab=1000, max_prompt_tokens=64, seed=1) != build_prompt(
+        [5], chunk=32, vocab=1000, max_prompt_tokens=64, seed=2
+    )
+
+
+def test_prompt_cap_keeps_whole_chunks_and_model_length() -> None:
+    p = build_prompt(list(range(20)), chunk=64, vocab=512, max_prompt_tokens=prompt_cap(1024, 1024, 2))
+    assert len(p) == 15 * 64  # 1022 tokens fit -> 15 whole chunks
+    assert prompt_cap(1024, None, 2) == 1024
+
+
+def test_requests_follow_scaled_timestamps() -> None:
+    rs = build_requests([_req([1], 1000.0), _req([1, 2], 3000.0)], chunk=64, vocab=512,
+                        max_prompt_tokens=512, time_scale=2.0)  # fmt: skip
+    assert [r.at_s for r in rs] == [0.0, 1.0]
+    assert rs[1].prompt[:64] == rs[0].prompt
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_bootstrap_ci_covers_known_mean(seed: int) -> None:
+    """Coverage of the true mean over repeated samples is near 95 % (exponential, mean 2, n = 200)."""
+    rng = np.random.default_rng(seed)
+    covered = 0
+    for i in range(60):
+        x = rng.exponential(2.0, size=200)
+        lo, hi = bootstrap_ci(x, n_boot=600, seed=i)
+        covered += lo <= 2.0 <= hi
+    assert covered >= 50  # 95 % nominal -> expect ~57; fails for a broken interval
+
+
+def test_bootstrap_ci_of_quantile_covers_true_median() -> None:
+    rng = np.random.default_rng(4)
+    covered = 0
+    for i in range(40):
+        x = rng.normal(5.0, 1.0, size=300)
+        lo, hi = bootstrap_ci(x, lambda a: float(np.quantile(a, 0.5)), n_boot=300, seed=i)
+        covered += lo <= 5.0 <= hi
+    assert covered >= 33
+
+
+def test_ratio_ci_covers_true_ratio_and_excludes_one_for_a_real_gain() -> None:
+    rng = np.random.default_rng(5)
+    a, b = rng.normal(12.0, 1.0, 400), rng.normal(10.0, 1.0, 400)
+    lo, hi = bootstrap_ratio_ci(a, b)
+    assert lo <= 1.2 <= hi and lo > 1.0
+
+
+def test_degenerate_inputs() -> None:
+    assert bootstrap_ci([3.0]) == (3.0, 3.0)
+    assert all(math.isnan(v) for v in bootstrap_ci([]))
+
+
+def test_counter_deltas_split_hits_by_source() -> None:
+    e0 = {"vllm:prompt_tokens_total": 100, "vllm:prefix_cache_hits_total": 10,
+          "vllm:external_prefix_cache_hits_total": 5}  # fmt: skip
+    e1 = {"vllm:prompt_tokens_total": 1100, "vllm:prefix_cache_hits_total": 210,
+          "vllm:external_prefix_cache_hits_total": 305}  # fmt: skip
+    l1 = {"lmcache_mp_lookup_hit_l1_tokens_total": 640, "lmcache_mp_lookup_hit_l2_tokens_total": 128}
+    d = counter_deltas(e0, e1, {}, l1)
+    assert d["gpu_hit_tokens"] == 200 and d["external_hit_tokens"] == 300
+    assert d["hit_tokens_total"] == 500 and d["recomputed_tokens"] == 500
+    assert d["l1_hit_tokens"] == 640 and d["l2_hit_tokens"] == 128
+
+
+def _run(arm: str, l1: float, ttft: list[float]) -> RunResult:
+    return RunResult(arm, ttft_s=ttft, wall_s=10.0, prompt_tokens_sent=1000,
+                     counters={"l1_hit_tokens": l1, "hit_tokens_total": 100.0})  # fmt: skip
+
+
+def test_summary_has_the_documented_json_shape() -> None:
+    base = [_run("baseline", 100.0, [0.2, 0.3, 0.4]), _run("baseline", 110.0, [0.25, 0.35])]
+    act = [_run("active", 130.0, [0.2, 0.2, 0.3]), _run("active", 140.0, [0.2, 0.3])]
+    out = {"arms": {"baseline": summarize(base), "active": summarize(act, base)}}
+    doc = json.loads(to_json(out))
+    for arm in ("baseline", "active"):
+        s = doc["arms"][arm]
+        for k in ("requests", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "hit_tokens_total", "l1_hit_tokens",
+                  "l2_hit_tokens", "recomputed_tokens", "throughput_tokens_per_s"):  # fmt: skip
+            assert k in s, k
+        for k in ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "hit_tokens_total", "l1_hit_tokens"):
+            assert len(s["ci95"][k]) == 2
+    assert doc["arms"]["active"]["requests"] == 5
+    assert doc["arms"]["active"]["ratio_to_baseline"]["l1_hit_tokens"] == pytest.approx(135 / 105)
+
+
+def test_interleave_rotates_arm_order() -> None:
+    assert interleave(["baseline", "active"], 3) == ["baseline", "active", "active", "baseline", "baseline",
+                                                     "active"]  # fmt: skip
+
+
+def test_bench_request_is_plain_data() -> None:
+    r = BenchRequest(0.5, [1, 2], 2)
+    assert r.max_tokens == 2
