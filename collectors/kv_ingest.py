@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvtier.collectors.vllm_events import (
     AllBlocksCleared,
@@ -83,8 +84,16 @@ class SourceCounts:
     residency_skipped: int = 0  # newly stored hashes not tracked: residency was at its bound
 
 
+class BatchSink(Protocol):
+    """Told about every batch after the index took it (the control plane: warm-up tokens, request
+    inference for the placement policy, a loop wake-up). Must not raise for a bad event."""
+
+    def on_batch(self, engine: str, batch: DecodedBatch) -> None: ...
+
+
 class KvIngestor:
-    """Applies decoded KV-event batches to a :class:`~kvtier.policies.index.BlockIndex`."""
+    """Applies decoded KV-event batches to a :class:`~kvtier.policies.index.BlockIndex`, then notifies its
+    :attr:`sinks`."""
 
     def __init__(
         self, index: BlockIndex | None = None, *, flush_every: int = 16384, max_hashes_per_event: int = 16384
@@ -102,6 +111,7 @@ class KvIngestor:
         self._extra: dict[Tier, dict[int, int]] = {t: {} for t in TIER_ORDER}
         self.counts: dict[str, SourceCounts] = defaultdict(SourceCounts)  # engine label -> counters
         self.index_skipped = 0  # queued index operations skipped because the index was full
+        self.sinks: list[BatchSink] = []  # notified of each batch after it was applied
 
     # ---- queries ----------------------------------------------------------------------------------------
     def flush(self) -> None:
@@ -145,6 +155,8 @@ class KvIngestor:
     def apply(self, engine: str, batch: DecodedBatch, source: str | None = None) -> None:
         """Apply one batch from ``source`` (default: ``engine``; use ``engine/dpN`` for DP ranks)."""
         self.apply_events(engine, batch.events, batch.ts * 1000.0, source)
+        for sink in self.sinks:
+            sink.on_batch(engine, batch)
 
     def apply_events(
         self,

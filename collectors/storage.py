@@ -272,8 +272,9 @@ class StorageCollector(Collector[dict[str, object], StorageObservation]):
 
     def _export(self, obs: StorageObservation) -> None:
         for d in obs.devices:
-            for m, total in ((self.m_read, d.read_bytes_total), (self.m_write, d.write_bytes_total)):
-                key = (m._name, d.device)
+            pairs = (("read", self.m_read, d.read_bytes_total), ("write", self.m_write, d.write_bytes_total))
+            for op, m, total in pairs:
+                key = (op, d.device)
                 last = self._last_bytes.get(key)
                 inc = total if last is None or total < last else total - last
                 if inc:

@@ -1,15 +1,13 @@
 """vLLM ``/metrics`` -> one typed :class:`EngineSample` per (model, engine / DP rank).
 
-Names are those of ``vllm/v1/metrics/loggers.py`` (vLLM 0.32 CPU build and 0.33; see
-``/work/shared/reference/integrations.md`` §1.1). Rates and latency quantiles are computed from the deltas
-between two scrapes (histogram quantiles by linear interpolation inside the bucket, as PromQL's
-``histogram_quantile``). Any monotonic series of an engine that went down (a counter, a cached-by-source
-counter, a histogram bucket / count / sum), or a new ``process_start_time_seconds``, is a restart of that
-engine: every delta is then the new value itself (counted from 0). A series missing from one scrape (e.g. its
-block was broken) keeps its last value and time, so the next rate / window spans from there (no spike, no
-silent zero). Families the collector does not know are tolerated and counted (``unknown_families``), as are
-expected ones that are absent (``missing_families``).
-"""
+Names are those of ``vllm/v1/metrics/loggers.py`` (vLLM 0.32 CPU build and 0.33). Rates and latency quantiles
+are computed from the deltas between two scrapes (histogram quantiles by linear interpolation inside the
+bucket, as PromQL's ``histogram_quantile``). Any monotonic series of an engine that went down (a counter, a
+cached-by-source counter, a histogram bucket / count / sum), or a new ``process_start_time_seconds``, is a
+restart of that engine: every delta is then the new value itself (counted from 0). A series missing from one
+scrape (e.g. its block was broken) keeps its last value and time, so the next rate / window spans from there
+(no spike, no silent zero). Families the collector does not know are tolerated and counted
+(``unknown_families``), as are expected ones that are absent (``missing_families``)."""
 
 from __future__ import annotations
 

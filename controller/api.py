@@ -236,11 +236,11 @@ def build_router(ctx: ControlContext) -> APIRouter:
     @r.get("/v1/policy", response_model=PolicyDoc, tags=["policy"])
     def get_policy() -> PolicyDoc:
         """The active policy (or the one pending for the next tick)."""
-        return loop._pending_policy or loop.policy
+        return loop.next_policy
 
     def _apply(doc: PolicyDoc) -> PolicyDoc:
         """Caller holds ``ctx.policy_lock``. Database first, then memory."""
-        current = loop._pending_policy or loop.policy
+        current = loop.next_policy
         if doc.mode == "active" and current.mode != "active" and not ctx.allow_active:
             raise HTTPException(
                 403, "mode active is not allowed: start kvtier with --allow-active (or --mode active)"
@@ -260,7 +260,7 @@ def build_router(ctx: ControlContext) -> APIRouter:
         """Merge a partial policy (objects merge, lists replace), validate, apply at the next tick."""
         with ctx.policy_lock:
             try:
-                doc = (loop._pending_policy or loop.policy).merged(patch)
+                doc = loop.next_policy.merged(patch)
             except ValidationError as e:
                 raise _validation_422(e) from e
             return _apply(doc)

@@ -1,7 +1,8 @@
 """The sidecar with its control plane: collectors + reconcile loop + policy API on one app.
 
-:class:`ControlIngestor` feeds the block index (collectors' ingestor) and, for ``BlockStored`` events, the
-token store used by warm-ups; then it wakes the loop (events never carry state into the loop).
+:class:`ControlSink` is the collectors' ingestor's sink: after the block index took a batch, it feeds the
+placement policy's request inference and, for ``BlockStored`` events, the token store used by warm-ups; then
+it wakes the loop (events never carry state into the loop).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from kvtier.controller.api import status_extra
 from kvtier.controller.app import create_app
 from kvtier.controller.geometry import EngineGeometry, apply_geometry, fetch_geometry
 from kvtier.controller.l1_keeper import L1Keeper, keeper_hook
+from kvtier.controller.policy_doc import PolicyDoc
 from kvtier.controller.runtime import ControlPlane, build_control_plane, make_actuator
-from kvtier.controller.settings import Settings
+from kvtier.controller.settings import LMCacheL1Settings, LMCacheMPSettings, Settings, VllmWarmupSettings
 from kvtier.controller.sidecar import Sidecar
 from kvtier.controller.tracing import instrument_app, instrument_http, make_tracer, make_tracer_provider
 from kvtier.policies.index import BlockIndex
@@ -30,19 +32,24 @@ from kvtier.policies.index import BlockIndex
 log = logging.getLogger(__name__)
 
 
-class ControlIngestor(KvIngestor):
-    """A :class:`KvIngestor` that also keeps block tokens and wakes the reconcile loop after each batch."""
+class ControlSink:
+    """The control plane's :class:`~kvtier.collectors.kv_ingest.BatchSink`: block tokens, requests for the
+    placement policy, a loop wake-up after each batch."""
 
-    plane: ControlPlane | None = None
-    # hook: the L1 keeper, fed (parent, block hashes, block size) of every BlockStored
-    on_stored: Callable[[int | None, Sequence[int], int], None] | None = None
     feed_per_batch = 16  # requests served through the placement policy per batch (~0.4 ms each, learned)
 
-    def apply(self, engine: str, batch: DecodedBatch, source: str | None = None) -> None:
-        super().apply(engine, batch, source)
+    def __init__(
+        self,
+        plane: ControlPlane,
+        on_stored: Callable[[int | None, Sequence[int], int], None] | None = None,
+    ) -> None:
+        """``on_stored``: also fed (parent, block hashes, block size) of every ``BlockStored`` (the L1
+        keeper's hook)."""
+        self.plane = plane
+        self.on_stored = on_stored
+
+    def on_batch(self, engine: str, batch: DecodedBatch) -> None:
         plane = self.plane
-        if plane is None:
-            return
         pl = plane.loop.placement
         if pl is not None:  # request-shaped accesses for the placement policy
             try:
@@ -75,56 +82,62 @@ class ControlledSidecar(Sidecar):
 
     def __init__(self, settings: Settings, *, reset_state: bool = False, **kw: Any) -> None:
         if reset_state:
-            reset_persisted_policy(settings.state_dir)
-        ing = kw.pop("ingestor", None) or ControlIngestor(BlockIndex(max_blocks=settings.index_max_blocks))
+            reset_persisted_policy(settings.serve.state_dir)
+        col = settings.collectors
+        ing = kw.pop("ingestor", None) or KvIngestor(BlockIndex(max_blocks=col.index_max_blocks))
         super().__init__(settings, ingestor=ing, **kw)
-        engine_url = settings.engine_urls[0] if settings.engine_urls else None
-        model = settings.engine_model or (discover_model(engine_url) if engine_url else "")
+        engine_url = col.engine_urls[0] if col.engine_urls else None
+        model = col.engine_model or (discover_model(engine_url) if engine_url else "")
         acts = []
-        self.l1_keeper: L1Keeper | None = None
-        for name in settings.actuators:
-            if name == "lmcache-l1":  # the keeper acts on LMCache L1 by itself (not a planner actuator)
+        keeper: LMCacheL1Settings | None = None
+        for spec in settings.actuators:
+            if isinstance(spec, LMCacheL1Settings):  # acts on LMCache L1 by itself (not a planner actuator)
+                keeper = spec
                 continue
             extra: dict[str, Any] = {}
-            options = dict(settings.actuator_options.get(name) or {})
-            if name == "vllm-warmup":
+            # the entry's fields as the factory's keywords (as objects: ``memory`` carries a live layer)
+            options = {k: v for k, v in spec if k != "kind" and v is not None}
+            if isinstance(spec, VllmWarmupSettings):
                 from kvtier.controller.actuators.vllm_warmup import WarmupBudget
 
-                extra["budget"] = WarmupBudget(settings.warmup_tokens_per_s, settings.warmup_requests_per_s)
-            if name == "lmcache-mp" and "model_name" not in options and engine_url:
+                extra["budget"] = WarmupBudget(options.pop("tokens_per_s"), options.pop("requests_per_s"))
+            if isinstance(spec, LMCacheMPSettings) and "model_name" not in options and engine_url:
                 # LMCache keys name the model by vLLM's --model path (/v1/models "root"), not the served name
                 options["model_name"] = discover_model(engine_url, field="root") or model
-            acts.append(make_actuator(name, engine_url=engine_url, engine_model=model,
-                                      lmcache_url=settings.lmcache_urls[0] if settings.lmcache_urls else None,
-                                      lmcache_controller_url=settings.lmcache_controller_urls[0]
-                                      if settings.lmcache_controller_urls else None,
+            acts.append(make_actuator(spec.kind, engine_url=engine_url, engine_model=model,
+                                      lmcache_url=col.lmcache_urls[0] if col.lmcache_urls else None,
+                                      lmcache_controller_url=col.lmcache_controller_urls[0]
+                                      if col.lmcache_controller_urls else None,
                                       options=options, **extra))  # fmt: skip
         self.tracer_provider = make_tracer_provider()
         instrument_http(self.tracer_provider)  # actuations' peer calls become child spans
         self.plane = build_control_plane(
-            self.ingestor.index, registry=self.registry, state_dir=settings.state_dir, mode=settings.mode,
-            actuators=acts, tracer=make_tracer(self.tracer_provider), clock=self.clock,
-            api_token=settings.api_token, engine_url=engine_url, engine_model=model, http=self.client,
-            placement_policy=None if settings.policy == "none" else settings.policy,
-            placement_tier=settings.policy_tier, allow_active=settings.allow_active,
-            api_options=api_options(settings),
+            self.ingestor.index, registry=self.registry, state_dir=settings.serve.state_dir,
+            mode=settings.serve.mode, actuators=acts, tracer=make_tracer(self.tracer_provider),
+            clock=self.clock,
+            api_token=settings.serve.api_token, engine_url=engine_url, engine_model=model, http=self.client,
+            policy=PolicyDoc.model_validate(settings.policy_doc_seed()),
+            placement_policy=None if settings.loop.policy == "none" else settings.loop.policy,
+            placement_tier=settings.loop.policy_tier, placement_options=settings.learned.options(),
+            allow_active=settings.serve.allow_active, api_options=api_options(settings),
         )  # fmt: skip
         self.plane.http = None  # the sidecar owns the shared client
         self.engine_url = engine_url
         self.geometry: EngineGeometry | None = None
         persisted = self.plane.store.get_json("policy") is not None
         api = "api (persisted)"
-        mode_src = "settings" if settings.mode is not None else (api if persisted else "default")
+        mode_src = "settings" if settings.serve.mode is not None else (api if persisted else "default")
         self.policy_source = {
             "mode": mode_src,
             "policy": api if persisted else "default",
-            "state_dir": settings.state_dir,
+            "state_dir": settings.serve.state_dir,
         }
         self._geometry_task: asyncio.Task[None] | None = None
-        if isinstance(self.ingestor, ControlIngestor):
-            self.ingestor.plane = self.plane
-        if "lmcache-l1" in settings.actuators:
-            self.l1_keeper = build_keeper(self, settings, engine_url)
+        self.l1_keeper: L1Keeper | None = None
+        if keeper is not None:
+            self.l1_keeper = build_keeper(self, keeper, engine_url)
+        hook = keeper_hook(self.l1_keeper) if self.l1_keeper is not None else None
+        self.ingestor.sinks.append(ControlSink(self.plane, on_stored=hook))
 
     async def start(self) -> None:
         await super().start()
@@ -138,16 +151,16 @@ class ControlledSidecar(Sidecar):
         """Poll the engine's ``vllm:cache_config_info`` until it answers (as a native sidecar kvtier starts
         before vLLM), then size the policy from it unless an API change came first."""
         while True:
-            geo = await fetch_geometry(self.client, engine_url, self.settings.http_timeout_s)
+            geo = await fetch_geometry(self.client, engine_url, self.settings.collectors.http_timeout_s)
             if geo is not None:
                 break
-            await asyncio.sleep(self.settings.scrape_interval_s)
+            await asyncio.sleep(self.settings.collectors.scrape_interval_s)
         self.geometry = geo
         if self.plane.store.get_json("policy") is not None:
             log.info("engine geometry %s found, but a policy set through the API is in force", geo.to_dict())
             return
         loop = self.plane.loop
-        loop.set_policy(apply_geometry(loop._pending_policy or loop.policy, geo))
+        loop.set_policy(apply_geometry(loop.next_policy, geo))
         if loop.placement is not None:  # events carry their block size; this is the fallback
             loop.placement.requests.block_size_tokens = geo.block_size_tokens
         self.policy_source["policy"] = f"discovered (vllm:cache_config_info of {engine_url})"
@@ -178,12 +191,12 @@ class ControlledSidecar(Sidecar):
 
     def startup_summary(self) -> str:
         """One line for the start-up log: what mode and policy are in force, and where they come from."""
-        doc = self.plane.loop._pending_policy or self.plane.loop.policy
+        doc = self.plane.loop.next_policy
         gpu = next((t.capacity_blocks for t in doc.tiers if t.tier.value == "gpu"), None)
         src = self.policy_source
         line = (
             f"mode {doc.mode} (from {src['mode']}); policy from {src['policy']}: GPU tier {gpu} blocks of "
-            f"{doc.block_size_tokens} tokens, placement {self.settings.policy}"
+            f"{doc.block_size_tokens} tokens, placement {self.settings.loop.policy}"
         )
         if src["policy"].startswith("api"):
             line += (
@@ -213,26 +226,28 @@ def api_options(settings: Settings) -> dict[str, Any]:
     """The API's hardening options from the settings (Host allow-list derived from ``--listen``)."""
     from kvtier.controller.guard import allowed_hosts_for
 
-    host, _ = settings.listen_host_port
+    sv = settings.serve
+    host, _ = sv.listen_host_port
     return {
-        "allowed_hosts": allowed_hosts_for(host, settings.allowed_hosts),
-        "max_body_bytes": settings.max_body_bytes,
-        "max_inflight": settings.http_max_inflight,
-        "max_pins": settings.max_pins,
-        "max_pinned_tokens": settings.max_pinned_tokens,
-        "max_pin_tokens": settings.max_pin_tokens,
+        "allowed_hosts": allowed_hosts_for(host, sv.allowed_hosts),
+        "max_body_bytes": sv.max_body_bytes,
+        "max_inflight": sv.http_max_inflight,
+        "max_pins": sv.max_pins,
+        "max_pinned_tokens": sv.max_pinned_tokens,
+        "max_pin_tokens": sv.max_pin_tokens,
     }
 
 
-def build_keeper(sc: ControlledSidecar, settings: Settings, engine_url: str | None) -> L1Keeper:
-    """``--actuator lmcache-l1``: the LMCache MP L1 keeper (:mod:`kvtier.controller.l1_keeper`)."""
+def build_keeper(sc: ControlledSidecar, spec: LMCacheL1Settings, engine_url: str | None) -> L1Keeper:
+    """``--actuator lmcache-l1``: the LMCache MP L1 keeper (:mod:`kvtier.controller.l1_keeper`), acting
+    through its own lmcache-mp adapter on the first ``--lmcache-url``. Feed it with :func:`keeper_hook`."""
     from kvtier.controller.actuators import lmcache_mp
 
-    if not settings.lmcache_urls:
+    urls = sc.settings.collectors.lmcache_urls
+    if not urls:
         raise ValueError("--actuator lmcache-l1 needs --lmcache-url")
-    opts = dict(settings.actuator_options.get("lmcache-l1") or {})
-    model = opts.pop("model_name", None) or (discover_model(engine_url, field="root") if engine_url else "")
-    act = lmcache_mp.build(settings.lmcache_urls[0], model_name=model)
+    model = spec.model_name or (discover_model(engine_url, field="root") if engine_url else "")
+    act = lmcache_mp.build(urls[0], model_name=model)
     plane = sc.plane
     assert plane is not None
     acts = plane.loop.metrics.actuations
@@ -243,9 +258,7 @@ def build_keeper(sc: ControlledSidecar, settings: Settings, engine_url: str | No
 
     keeper = L1Keeper(act, chain_tokens=plane.loop.tokens.chain_tokens,
                       is_active=lambda: plane.loop.mode == "active", registry=sc.registry,
-                      record=record, **opts)  # fmt: skip
-    if isinstance(sc.ingestor, ControlIngestor):
-        sc.ingestor.on_stored = keeper_hook(keeper)
+                      record=record, **spec.keeper_options())  # fmt: skip
     return keeper
 
 

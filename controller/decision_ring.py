@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.controller.actuators.base import Outcome
+
 if TYPE_CHECKING:
     from kvtier.controller.decisions import Decision
 
@@ -149,7 +151,7 @@ class DecisionRing:
             p_reuse=float(c["p"][i]),
             pinned=bool(c["pinned"][i]),
             layer=dec(int(c["layer"][i])) or "",
-            outcome=dec(int(c["outcome"][i])) or "planned",  # type: ignore[arg-type]
+            outcome=Outcome(dec(int(c["outcome"][i])) or Outcome.PLANNED),
             detail=self._detail[i],
             tokens=int(c["tokens"][i]),
             freq0=int(c["freq0"][i]),

@@ -16,15 +16,15 @@ import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.controller.actuators.base import Outcome
 from kvtier.controller.decision_ring import DecisionRing
 
-Outcome = Literal["planned", "shadow", "applied", "failed", "skipped"]
-OUTCOMES: tuple[Outcome, ...] = ("planned", "shadow", "applied", "failed", "skipped")
+OUTCOMES: tuple[Outcome, ...] = tuple(Outcome)  # planned, shadow, applied, failed, skipped
 UPWARD = frozenset({"promote", "prefetch", "admit", "pin"})
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class Decision:
     p_reuse: float
     pinned: bool
     layer: str  # actuator name, or "shadow"
-    outcome: Outcome = "planned"
+    outcome: Outcome = Outcome.PLANNED
     detail: str = ""
     tokens: int = 0  # prefill tokens a hit on this block saves
     freq0: int = -1  # the block's access count in the index when decided (-1: untracked)

@@ -127,18 +127,19 @@ class KvtierArm:
             store.put_json("policy", policy_doc(sc, reqs, opts.seed).model_dump(mode="json"))
         finally:
             store.close()
-        settings = Settings(
-            engine_urls=[],
-            listen=opts.listen,
-            mode="active",
-            actuators=["memory"],
-            actuator_options={"memory": {"layer": self.layer}},
-            state_dir=state_dir,
-            log_level="WARNING",
-            policy="learned",
-            policy_tier="cpu",
+        settings = Settings.model_validate(
+            {
+                "serve": {
+                    "listen": opts.listen,
+                    "mode": "active",
+                    "state_dir": state_dir,
+                    "log_level": "WARNING",
+                },
+                "loop": {"policy": "learned", "policy_tier": "cpu"},
+                "actuators": [{"kind": "memory", "layer": self.layer}],
+            }
         )
-        ingestor = _sim_ingestor(settings.index_max_blocks)
+        ingestor = _sim_ingestor(settings.collectors.index_max_blocks)
         self.sidecar = ControlledSidecar(settings, ingestor=ingestor, clock=self.clock)
         self.sidecar.emulated_engine = True  # no engine URL: the simulator is the engine
         self.layer.observer = IndexReporter(self.sidecar.ingestor.index, sc.block_bytes, self.t0_s)
@@ -301,12 +302,12 @@ class KvtierArm:
 
 
 def _sim_ingestor(max_blocks: int | None) -> Any:
-    """A :class:`ControlIngestor` whose blocks tracked per tier (``kvtier_blocks_tracked``, the status page)
-    are counted from the index: no KV events in the simulation, the layer's residency reports fill it."""
-    from kvtier.controller.control_sidecar import ControlIngestor
+    """A :class:`KvIngestor` whose blocks tracked per tier (``kvtier_blocks_tracked``, the status page) are
+    counted from the index: no KV events in the simulation, the layer's residency reports fill it."""
+    from kvtier.collectors.kv_ingest import KvIngestor
     from kvtier.policies.index import BlockIndex
 
-    class SimIngestor(ControlIngestor):
+    class SimIngestor(KvIngestor):
         def blocks_tracked(self) -> dict[str, int]:
             return {t.value: int(n) for t, n in self.index.count_by_tier().items()}
 
@@ -420,9 +421,9 @@ def demo(
     opts = DemoOptions(scenario, max_requests, concurrency, speed, duration, listen,
                        str(state_dir) if state_dir else None, seed, batches)  # fmt: skip
     try:
-        from kvtier.controller.settings import Settings
+        from kvtier.controller.settings import ServeSettings
 
-        host, port = Settings(listen=listen).listen_host_port
+        host, port = ServeSettings(listen=listen).listen_host_port
     except ValueError as exc:
         fail(describe(exc))
     check_listen(host, port)  # before the arms run, not after
@@ -491,7 +492,7 @@ async def _serve_while(arm: KvtierArm, say: Callable[[str], None]) -> dict[str, 
     """Serve the sidecar's app while the kvtier arm runs in a worker thread (progress line every 5 s)."""
     import uvicorn
 
-    host, port = arm.sidecar.settings.listen_host_port
+    host, port = arm.sidecar.settings.serve.listen_host_port
     server = uvicorn.Server(uvicorn.Config(arm.app, host=host, port=port, log_level="warning"))
     serve_task = asyncio.create_task(server.serve())
     while not server.started:

@@ -233,7 +233,7 @@ class L1Keeper:
         if now < self._next_status:
             return
         self._next_status = now + self.status_every_s
-        st = self.act._status()  # noqa: SLF001 - same adapter, same breaker
+        st = self.act.server_status()  # the same adapter: the same breaker
         l1s = [
             m
             for m in ((st.get("storage_manager") or {}).get("l1_managers") or {}).values()

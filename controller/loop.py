@@ -37,6 +37,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
 from kvtier.controller.actuators.base import (
+    ACTUATION_OUTCOMES,
     ActuationResult,
     Actuator,
     BlockRef,
@@ -45,7 +46,6 @@ from kvtier.controller.actuators.base import (
     Outcome,
 )
 from kvtier.controller.decisions import Decision, DecisionLog, score
-from kvtier.controller.decisions import Outcome as DecisionOutcome
 from kvtier.controller.metrics import ControllerMetrics
 from kvtier.controller.pins import PinSet
 from kvtier.controller.placement import PolicyPlacement
@@ -59,6 +59,12 @@ from kvtier.policies.tiers import Tier
 
 log = logging.getLogger(__name__)
 
+# Predict-ahead (index-only predictors on a worker thread during observe): below 64 Ki rows the thread
+# hand-off costs more than the prediction; and only with >= 4 cores: on 2 shared cores the worker slowed the
+# observe phase by about what it saved (bench/control_tick at 1M rows, docs/perf/tick.md)
+PREDICT_AHEAD_MIN_ROWS = 65_536
+PREDICT_AHEAD_MIN_CORES = 4
+
 ACTION_CAPABILITY: dict[str, Capability] = {
     "promote": Capability.PROMOTE,
     "demote": Capability.DEMOTE,
@@ -69,14 +75,6 @@ ACTION_CAPABILITY: dict[str, Capability] = {
 }
 _U64 = (1 << 64) - 1
 # tiers an adapter can target when it does not say so itself (``tiers`` attribute)
-LAYER_TIERS: dict[str, frozenset[Tier]] = {
-    "lmcache-mp": frozenset({Tier.CPU, Tier.DISK}),  # L1 (DRAM) and L2 (fs)
-    "lmcache-controller": frozenset({Tier.CPU, Tier.DISK}),
-    "mooncake": frozenset({Tier.CPU, Tier.DISK, Tier.REMOTE}),
-}
-
-
-_OUTCOME: dict[str, DecisionOutcome] = {"applied": "applied", "failed": "failed", "skipped": "skipped"}
 
 
 def _tier_name(t: Tier | None) -> str | None:
@@ -164,10 +162,10 @@ class ReconcileLoop:
         # the placement policy object (``--policy``): fed the inferred requests, its resident set is the
         # desired placement of its tier, its predictor gives P(reuse) (the ``predictor`` is the fallback)
         self.placement = placement
-        # index-only predictors run on a worker thread during the observe phase from this many rows on;
-        # only with cores to spare: on 2 shared cores the worker slowed the observe phase by about what
-        # it saved (bench/control_tick at 1M, docs/tick.md round 5)
-        self.predict_ahead_min_rows: int | None = 65_536 if (os.cpu_count() or 1) >= 4 else None
+        # index-only predictors run on a worker thread during the observe phase from this many rows on
+        self.predict_ahead_min_rows: int | None = (
+            PREDICT_AHEAD_MIN_ROWS if (os.cpu_count() or 1) >= PREDICT_AHEAD_MIN_CORES else None
+        )
         self._ahead_pool: ThreadPoolExecutor | None = None
         self._desired: npt.NDArray[np.bool_] | None = None
         self._policy_rows: npt.NDArray[np.int64] = np.zeros(0, np.int64)
@@ -198,7 +196,7 @@ class ReconcileLoop:
         self.fault: dict[str, BaseException] = {}  # test hook: stage -> exception to raise (fault injection)
         metrics.init_layers(a.name for a in self.actuators)
         for a in self.actuators:  # actions outside the planner's: pin upkeep of emulated-pin layers
-            extra = [act for act, ok in (("pin_refresh", callable(getattr(a, "refresh_pins", None))),
+            extra = [act for act, ok in (("pin_refresh", a.refreshes_pins),
                                          ("unpin", a.supports(Capability.UNPIN))) if ok]  # fmt: skip
             for act_name in extra:
                 for o in ("applied", "failed", "skipped"):
@@ -207,15 +205,21 @@ class ReconcileLoop:
 
     # -- configuration -----------------------------------------------------------------------------------
     @property
+    def next_policy(self) -> PolicyDoc:
+        """The policy the next tick runs with (a pending swap, else the current one)."""
+        return self._pending_policy or self.policy
+
+    @property
     def mode(self) -> str:
-        return (self._pending_policy or self.policy).mode
+        return self.next_policy.mode
 
     def set_policy(self, doc: PolicyDoc) -> None:
         """Swap the policy at the next tick boundary (never mid-tick)."""
         self._pending_policy = doc
         self.metrics.set_mode(doc.mode)
 
-    def _commit_policy(self) -> None:
+    def commit_policy(self) -> None:
+        """Apply a pending :meth:`set_policy` now (done at each tick boundary; wiring calls it at start)."""
         doc, self._pending_policy = self._pending_policy, None
         if doc is None:
             return
@@ -259,7 +263,7 @@ class ReconcileLoop:
             raise exc
 
     def _tick(self) -> TickReport:
-        self._commit_policy()
+        self.commit_policy()
         self.tick_no += 1
         now = self.clock()
         rep = TickReport(self.tick_no, now, self.policy.mode)
@@ -307,7 +311,7 @@ class ReconcileLoop:
                 self._score(now)
             return
         idx = self.index
-        n = int(getattr(idx, "_n", idx.capacity))
+        n = idx.n_rows
         ahead = self._predict_ahead(n, now)
         with self._phase("observe"):
             try:
@@ -378,7 +382,7 @@ class ReconcileLoop:
     def _observe(self, n: int | None = None) -> BlockView:
         idx = self.index
         if n is None:
-            n = int(getattr(idx, "_n", idx.capacity))
+            n = idx.n_rows
         bst = self.policy.block_size_tokens
         if self._tokens_buf.shape[0] != n or (n and int(self._tokens_buf[0]) != bst):
             # every row saves one block of tokens: a read-only broadcast (no 4 B/row array)
@@ -403,8 +407,8 @@ class ReconcileLoop:
             p_reuse=np.broadcast_to(np.float32(0.0), (n,)),
             admittable=np.broadcast_to(np.False_, (n,)),
             lookup=idx.slot_of,
-            lookup_many=getattr(idx, "slots_of_keys", None),
-            epoch=getattr(idx, "epoch", None),
+            lookup_many=idx.slots_of_keys,
+            epoch=idx.epoch,
         )
         return view
 
@@ -418,7 +422,7 @@ class ReconcileLoop:
         # the index's sizes are int32: so is the view's unless the default block size does not fit
         dt = np.int32 if nb_all.dtype == np.int32 and bb <= np.iinfo(np.int32).max else np.int64
         buf = self._nbytes_buf
-        version = getattr(idx, "nbytes_version", None)
+        version = idx.nbytes_version
         key = (id(idx), bb, np.dtype(dt))
         changed = None
         last = self._nbytes_version
@@ -539,7 +543,7 @@ class ReconcileLoop:
 
     def _policy_quality_metric(self, pl: PolicyPlacement) -> None:
         """``kvtier_predictor_auc`` = the policy's own out-of-sample AUC, refreshed after its refits."""
-        n = int(getattr(pl.policy, "_n_retrains", 0))
+        n = int(getattr(pl.policy, "retrains", 0))
         if n == self._quality_at:
             return
         self._quality_at = n
@@ -617,7 +621,7 @@ class ReconcileLoop:
         (an admit's gain is the whole prefill, a disk -> cpu promote's only the load-time difference)."""
         if self.policy.mode != "active":
             return True
-        return any(getattr(a, "recreates", False) or a.name == "shadow" for a in self.actuators)
+        return any(a.recreates or a.records_only for a in self.actuators)
 
     # -- acting --------------------------------------------------------------------------------------------
     def _actuator_for(self, m: Move) -> Actuator | None:
@@ -627,7 +631,7 @@ class ReconcileLoop:
         for a in self.actuators:
             if not a.supports(cap):
                 continue
-            if m.action == "admit" and not getattr(a, "recreates", False):
+            if m.action == "admit" and not a.recreates:
                 continue
             tiers = self._tiers_of(a)
             # both ends of the move must be the layer's (a gpu -> cpu demote is not LMCache's to make)
@@ -641,8 +645,7 @@ class ReconcileLoop:
 
     @staticmethod
     def _tiers_of(a: Actuator) -> frozenset[Tier] | None:
-        tiers: frozenset[Tier] | None = getattr(a, "tiers", None) or LAYER_TIERS.get(a.name)
-        return tiers
+        return a.tiers
 
     def _learn_residency(self, act: Actuator, m: Move) -> None:
         """Overlay the effect of an applied move in the layer's own tiers (the index cannot see them)."""
@@ -742,7 +745,7 @@ class ReconcileLoop:
                 per_label[(m.action, d.tier or "none")] += 1
                 rep.decisions += 1
                 if act is None:
-                    d.outcome = "shadow"
+                    d.outcome = Outcome.SHADOW
                     d.detail = detail
                     shadow.append(d)
                     continue
@@ -790,7 +793,7 @@ class ReconcileLoop:
                 span.set_attribute("kvtier.decision_ids", [d.id for _, d, _ in items])
                 t0 = time.perf_counter()
                 refs = [ref for _, _, ref in items]
-                if getattr(act, "token_addressed", False) and len(refs) > 1:
+                if act.token_addressed and len(refs) > 1:
                     # one call per ref: the layer's keys are chunks of each ref's prefix, and a batched
                     # call would leave nothing for the per-ref attribution below to observe
                     outcomes = {
@@ -811,9 +814,11 @@ class ReconcileLoop:
                 counts: Counter[str] = Counter()
                 for m, d, ref in items:
                     o = outcomes.get(ref.layer_key)
-                    d.outcome = _OUTCOME.get(o.outcome.value, "failed") if o else "failed"
-                    if name == "shadow" and d.outcome != "failed":
-                        d.outcome = "shadow"
+                    d.outcome = (
+                        o.outcome if o is not None and o.outcome in ACTUATION_OUTCOMES else Outcome.FAILED
+                    )
+                    if act.records_only and d.outcome != "failed":
+                        d.outcome = Outcome.SHADOW
                     d.detail = o.detail if o else "no outcome for key"
                     counts[d.outcome] += 1
                     self.metrics.actuations.labels(layer=name, action=action, outcome=d.outcome).inc()
@@ -864,9 +869,9 @@ class ReconcileLoop:
         if self.policy.mode != "active":
             return
         for act in self.actuators:
-            refresh = getattr(act, "refresh_pins", None)
-            if not callable(refresh):
+            if not act.refreshes_pins:
                 continue
+            refresh = act.refresh_pins
             with self.tracer.start_as_current_span("kvtier.actuate") as span:
                 span.set_attribute("kvtier.layer", act.name)
                 span.set_attribute("kvtier.action", "pin_refresh")

@@ -106,7 +106,7 @@ class ModelManager:
         """Record features of a seeded sample of tracked blocks as of now (the T0 of the next labels)."""
         idx = self.loop.index
         now_ms = self.loop.clock() * self.loop.index_ms_per_s
-        n = int(getattr(idx, "_n", idx.capacity))
+        n = idx.n_rows
         slots = np.flatnonzero(idx.used[:n]).astype(np.int64)
         if slots.size > self.sample:
             slots = np.sort(self._rng().choice(slots, self.sample, replace=False))

@@ -36,11 +36,14 @@ class PolicyPlacement:
     """Owns one policy object, its request queue and the desired resident set of ``tier``."""
 
     def __init__(self, name: str, capacity_blocks: int, *, tier: Tier = Tier.CPU, seed: int = 0,
-                 inferrer: RequestInferrer | None = None, policy: Policy | None = None) -> None:  # fmt: skip
+                 inferrer: RequestInferrer | None = None, policy: Policy | None = None,
+                 options: dict[str, Any] | None = None) -> None:  # fmt: skip
         self.name = name
         self.tier = tier
         self.seed = seed
-        self.policy = policy if policy is not None else get_policy(name, capacity_blocks, seed=seed)
+        self.policy = (
+            policy if policy is not None else get_policy(name, capacity_blocks, seed=seed, **(options or {}))
+        )
         if self.policy.offline:
             raise ValueError(f"policy {name!r} needs the future (replay only); pick an online policy")
         self.requests = inferrer if inferrer is not None else RequestInferrer()
@@ -97,9 +100,9 @@ class PolicyPlacement:
             return 0
         try:
             n = self._feed(max_requests)
-            slots = getattr(self.policy, "_slot", None)
-            if self.max_slots is not None and slots is not None and len(slots) > self.max_slots:
-                self._restart(f"it has seen {len(slots)} blocks, more than its bound {self.max_slots}")
+            seen = getattr(self.policy, "blocks_seen", None)  # policies with per-block state declare it
+            if self.max_slots is not None and seen is not None and seen > self.max_slots:
+                self._restart(f"it has seen {seen} blocks, more than its bound {self.max_slots}")
             return n
         finally:
             self.lock.release()
@@ -156,7 +159,7 @@ class PolicyPlacement:
         """After the policy refitted its model (inside ``access``), recompute its memoised scores here, on
         the feeding path, so the next tick does not pay for it (``learned``: ``warm_scores``)."""
         warm = getattr(self.policy, "warm_scores", None)
-        version = getattr(self.policy, "_n_retrains", None)
+        version = getattr(self.policy, "retrains", None)
         if warm is None or version == self._warm_version:
             return
         self._warm_version = version

@@ -5,6 +5,7 @@ Units are in the field names. :meth:`PolicyDoc.planner_config` turns it into the
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -12,12 +13,17 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from kvtier.policies.planner import LinkBudget, PlannerConfig, TierSpec
 from kvtier.policies.tiers import Tier, TierHardware
 
-Mode = Literal["off", "shadow", "active"]
+Mode = Literal["off", "shadow", "active"]  # the one operating-mode vocabulary (settings, API, loop)
 LINK_PATTERN = r"^(gpu|cpu|disk|remote|none)->(gpu|cpu|disk|remote|none)$"
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+# the pure planner's dataclasses hold the defaults; the documents here only add bounds and descriptions
+_PC: dict[str, Any] = {f.name: f.default for f in fields(PlannerConfig)}
+_LB: dict[str, Any] = {f.name: f.default for f in fields(LinkBudget)}
 
 
 class TierConfig(_Strict):
@@ -49,9 +55,11 @@ class TierConfig(_Strict):
 
 
 class BudgetLimits(_Strict):
-    bytes_per_s: float = Field(default=1e9, ge=0, le=1e15, description="bytes per second")
-    ops_per_s: float = Field(default=100.0, ge=0, le=1e7, description="moves per second")
-    burst_s: float = Field(default=1.0, gt=0, le=3600, description="bucket depth in seconds of rate")
+    bytes_per_s: float = Field(default=_LB["bytes_per_s"], ge=0, le=1e15, description="bytes per second")
+    ops_per_s: float = Field(default=_LB["ops_per_s"], ge=0, le=1e7, description="moves per second")
+    burst_s: float = Field(
+        default=_LB["burst_s"], gt=0, le=3600, description="bucket depth in seconds of rate"
+    )
 
 
 class LinkBudgetConfig(BudgetLimits):
@@ -67,6 +75,9 @@ class PredictorSettings(_Strict):
         default=0.0, ge=0, le=86400 * 7, description="0 = retrain only on request; else at least 1 s"
     )
 
+    horizon_s: float = Field(default=300.0, gt=0, le=86400, description="reuse label horizon, seconds")
+    seed: int = Field(default=0, ge=0, le=2**31 - 1, description="seed of training samples and the policy")
+
     @field_validator("retrain_interval_s")
     @classmethod
     def _retrain_floor(cls, v: float) -> float:
@@ -74,14 +85,10 @@ class PredictorSettings(_Strict):
             raise ValueError("retrain_interval_s must be 0 (on request only) or at least 1 second")
         return v
 
-    horizon_s: float = Field(default=300.0, gt=0, le=86400, description="reuse label horizon, seconds")
-    seed: int = Field(default=0, ge=0, le=2**31 - 1)
 
+class PlannerKnobs(_Strict):
+    """The planner's part of the policy document (the ``planner`` settings section)."""
 
-class PolicyDoc(_Strict):
-    mode: Mode = Field(
-        default="shadow", description="off: observe only; shadow: decide and score; active: also act"
-    )
     tiers: list[TierConfig] = Field(
         default_factory=lambda: [
             TierConfig(
@@ -94,32 +101,36 @@ class PolicyDoc(_Strict):
             TierConfig(tier=Tier.CPU, capacity_blocks=100_000, load_bandwidth_bytes_s=2e10),
         ],
         max_length=4,
+        description="managed tiers with capacity, watermarks and load bandwidth",
     )
-    budgets: list[LinkBudgetConfig] = Field(default_factory=list, max_length=32)
-    default_budget: BudgetLimits = Field(default_factory=BudgetLimits)
+    budgets: list[LinkBudgetConfig] = Field(
+        default_factory=list, max_length=32, description="per-link move budgets ('src->dst')"
+    )
+    default_budget: BudgetLimits = Field(
+        default_factory=BudgetLimits, description="budget of every link not listed in budgets"
+    )
     hysteresis_s: float = Field(
-        default=30.0, ge=0, le=86400, description="no second move of a block within this"
+        default=_PC["hysteresis_s"], ge=0, le=86400, description="no second move of a block within this, s"
     )
-    pin_retry_s: float = Field(default=5.0, ge=0, le=86400, description="re-attempt an unmet pin after this")
-    min_gain_s: float = Field(default=0.0, ge=0, le=3600, description="a promotion must gain more than this")
+    pin_retry_s: float = Field(
+        default=_PC["pin_retry_s"], ge=0, le=86400, description="re-attempt an unmet pin after this, s"
+    )
+    min_gain_s: float = Field(
+        default=_PC["min_gain_s"], ge=0, le=3600, description="a promotion must gain more than this, s"
+    )
     reuse_threshold: float = Field(
-        default=0.05, ge=0, le=1, description="promote/admit only when P(reuse) >= this"
+        default=_PC["reuse_threshold"], ge=0, le=1, description="promote/admit only when P(reuse) >= this"
     )
     prefill_s_per_token: float = Field(
-        default=2e-4, gt=0, le=10, description="engine prefill cost, seconds/token"
+        default=_PC["prefill_s_per_token"], gt=0, le=10, description="engine prefill cost, seconds/token"
     )
     block_size_tokens: int = Field(default=32, ge=1, le=65536, description="engine block size, tokens")
     block_bytes: int = Field(
         default=65536, ge=1, le=2**40, description="KV bytes per block when the index has none"
     )
-    # lower bounds: a typo (1e-300) must not make every tick "time out" or the loop spin
-    tick_interval_s: float = Field(default=1.0, ge=0.01, le=3600)
-    tick_timeout_s: float = Field(default=5.0, ge=0.01, le=3600)
-    shadow_horizon_s: float = Field(default=300.0, gt=0, le=86400, description="came-back window for scoring")
-    predictor: PredictorSettings = Field(default_factory=PredictorSettings)
 
     @model_validator(mode="after")
-    def _unique(self) -> PolicyDoc:
+    def _unique(self) -> PlannerKnobs:
         seen = [t.tier for t in self.tiers]
         if len(set(seen)) != len(seen):
             raise ValueError(f"tiers must be unique, got {[t.value for t in seen]}")
@@ -127,6 +138,28 @@ class PolicyDoc(_Strict):
         if len(set(links)) != len(links):
             raise ValueError(f"budget links must be unique, got {links}")
         return self
+
+
+class LoopKnobs(_Strict):
+    """The reconcile loop's part of the policy document (in the ``loop`` settings section)."""
+
+    # lower bounds: a typo (1e-300) must not make every tick "time out" or the loop spin
+    tick_interval_s: float = Field(default=1.0, ge=0.01, le=3600, description="period of reconcile ticks, s")
+    tick_timeout_s: float = Field(
+        default=5.0, ge=0.01, le=3600, description="a tick longer than this fails, s"
+    )
+    shadow_horizon_s: float = Field(
+        default=300.0, gt=0, le=86400, description="came-back window for scoring, s"
+    )
+
+
+class PolicyDoc(PlannerKnobs, LoopKnobs):
+    """The operator's policy: mode, planner and loop knobs, predictor (``/v1/policy``)."""
+
+    mode: Mode = Field(
+        default="shadow", description="off: observe only; shadow: decide and score; active: also act"
+    )
+    predictor: PredictorSettings = Field(default_factory=PredictorSettings, description="reuse predictor")
 
     def planner_config(self) -> PlannerConfig:
         d = self.default_budget

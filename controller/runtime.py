@@ -39,16 +39,6 @@ from kvtier.policies.tiers import Tier, normalize_tier
 
 log = logging.getLogger(__name__)
 
-ACTUATOR_NAMES = (
-    "shadow",
-    "vllm-warmup",
-    "lmcache-mp",
-    "mooncake",
-    "lmcache-controller",
-    "memory",
-    "lmcache-l1",
-)
-
 
 def make_actuator(
     name: str,
@@ -60,39 +50,29 @@ def make_actuator(
     options: dict[str, Any] | None = None,
     **kw: Any,
 ) -> Actuator:
-    """Build a named actuator (``--actuator NAME``). ``shadow`` and ``vllm-warmup`` are built here; the
-    cache-layer adapters come from :mod:`kvtier.controller.actuators.registry` with ``options`` (their
-    factory keyword arguments, ``KVTIER_ACTUATOR_OPTIONS``) plus ``url`` from ``--lmcache-url``
-    (``lmcache-mp``) or ``--lmcache-controller-url`` (``lmcache-controller``) unless the options set one."""
-    if name == "shadow":
-        from kvtier.controller.actuators.shadow import ShadowActuator
-
-        return ShadowActuator()
-    if name == "vllm-warmup":
-        if not engine_url:
-            raise ValueError("--actuator vllm-warmup needs --engine-url")
-        from kvtier.controller.actuators.vllm_warmup import VllmWarmupActuator
-
-        return VllmWarmupActuator(engine_url, engine_model, **kw)
+    """Build actuator ``name`` from :mod:`kvtier.controller.actuators.registry` with ``options`` (its
+    factory keyword arguments, the ``actuators`` settings entry) plus ``kw``; the wiring values it takes
+    (``registry.WIRING``: engine URL/model, ``--lmcache-url``, ``--lmcache-controller-url``) are filled in
+    unless the options set them."""
     from kvtier.controller.actuators import registry
 
-    opts = dict(options or {})
-    url_flags = {
-        "lmcache-mp": ("--lmcache-url", lmcache_url),
-        "lmcache-controller": ("--lmcache-controller-url", lmcache_controller_url),
-    }
-    if name in url_flags and "url" not in opts:
-        flag, url = url_flags[name]
-        if not url:
-            raise ValueError(f"--actuator {name} needs {flag}")
-        opts["url"] = url
     if name not in registry.names():
-        raise ValueError(f"unknown actuator {name!r}; known: {', '.join(ACTUATOR_NAMES)}")
+        raise ValueError(f"unknown actuator {name!r}; known: {', '.join(registry.names())}")
+    wiring = {"engine_url": engine_url, "engine_model": engine_model, "lmcache_url": lmcache_url,
+              "lmcache_controller_url": lmcache_controller_url}  # fmt: skip
+    opts = {**(options or {}), **kw}
+    for arg, (source, flag) in registry.WIRING.get(name, {}).items():
+        if arg in opts:
+            continue
+        value = wiring[source]
+        if value is None:
+            raise ValueError(f"--actuator {name} needs {flag}")
+        opts[arg] = value
     try:
         return registry.build(name, **opts)
     except TypeError as exc:
         raise ValueError(
-            f"actuator {name!r}: bad or missing options ({exc}); set KVTIER_ACTUATOR_OPTIONS"
+            f"actuator {name!r}: bad or missing options ({exc}); set them in the actuators settings"
         ) from exc
 
 
@@ -168,13 +148,15 @@ def build_control_plane(
     policy: PolicyDoc | None = None,
     placement_policy: str | None = "learned",
     placement_tier: Tier | str = Tier.CPU,
+    placement_options: dict[str, Any] | None = None,
     allow_active: bool = False,
     api_options: dict[str, Any] | None = None,
 ) -> ControlPlane:
     """Restore persisted policy/pins/model from ``state_dir``; ``mode`` (CLI) overrides the stored mode.
 
     ``placement_policy``: registry name of the policy object that places ``placement_tier`` (capacity from
-    the policy document's tiers), fed requests inferred from KV events; None = index-only planning."""
+    the policy document's tiers), fed requests inferred from KV events; None = index-only planning.
+    ``placement_options``: the policy constructor's keyword arguments (the ``learned`` settings section)."""
     store = StateStore(state_dir)
     registry.register(StateStoreExporter(store))
     metrics = ControllerMetrics(registry, layers=[a.name for a in actuators])
@@ -202,16 +184,20 @@ def build_control_plane(
     )  # fmt: skip
     ctx.restore()
     if mode is not None:
-        loop.set_policy((loop._pending_policy or loop.policy).model_copy(update={"mode": mode}))
-    loop._commit_policy()
+        loop.set_policy(loop.next_policy.model_copy(update={"mode": mode}))
+    loop.commit_policy()
     if placement_policy:
-        loop.placement = make_placement(loop, placement_policy, placement_tier, clock)
+        loop.placement = make_placement(loop, placement_policy, placement_tier, clock, placement_options)
     models.maybe_snapshot()
     return ControlPlane(loop, ctx, store, http)
 
 
 def make_placement(
-    loop: ReconcileLoop, name: str, tier: Tier | str, clock: Callable[[], float]
+    loop: ReconcileLoop,
+    name: str,
+    tier: Tier | str,
+    clock: Callable[[], float],
+    options: dict[str, Any] | None = None,
 ) -> PolicyPlacement:
     """The ``--policy`` object for ``tier``, sized from the loop's policy document (0 while unmanaged)."""
     t = normalize_tier(tier) if isinstance(tier, str) else tier
@@ -224,7 +210,14 @@ def make_placement(
         max_tracked=int(loop.index.max_blocks or 1_000_000),
     )
     try:
-        pl = PolicyPlacement(name, cap, tier=t, seed=doc.predictor.seed, inferrer=inferrer)
+        pl = PolicyPlacement(
+            name,
+            cap,
+            tier=t,
+            seed=doc.predictor.seed,
+            inferrer=inferrer,
+            options=options if name == "learned" else None,
+        )
     except KeyError as exc:
         raise ValueError(f"--policy: {exc.args[0]}") from exc
     pl.lookup = loop.index.slot_of

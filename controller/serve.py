@@ -19,7 +19,7 @@ def serve(
     config: Path = typer.Option(
         None,
         "--config",
-        help="Config file (YAML, TOML or JSON; unknown keys are errors); KVTIER_* env wins.",
+        help="Config file: YAML (.yaml/.yml), JSON (.json) or TOML; unknown keys are errors; env wins.",
     ),
     mode: str = typer.Option(None, "--mode", help="off | shadow | active [persisted policy; shadow]."),
     actuator: list[str] = typer.Option(
@@ -64,8 +64,8 @@ def serve(
             state_dir=str(state_dir) if state_dir else None, log_json=log_json, policy=policy,
             policy_tier=policy_tier, allow_active=allow_active, insecure_no_auth=insecure_no_auth,
         )  # fmt: skip
-        host, port = settings.listen_host_port
-        configure_logging(settings.log_level, json_lines=settings.log_json)
+        host, port = settings.serve.listen_host_port
+        configure_logging(settings.serve.log_level, json_lines=settings.serve.log_json)
         sidecar = ControlledSidecar(settings, reset_state=reset_state)
     except (PeerNotAvailable, ValueError, OSError) as exc:
         fail(describe(exc))
@@ -75,13 +75,15 @@ def serve(
 
     slog = logging.getLogger("kvtier.serve")
     slog.info("kvtier %s: %s", __version__, sidecar.startup_summary())
-    if settings.api_token is None and not is_loopback(host):
+    if settings.serve.api_token is None and not is_loopback(host):
         slog.critical(
             "INSECURE: --listen %s without KVTIER_API_TOKEN (--insecure-no-auth): anyone who can reach this "
-            "port can change the policy, pins and mode", settings.listen,
+            "port can change the policy, pins and mode", settings.serve.listen,
         )  # fmt: skip
-    elif settings.api_token is None:
-        slog.warning("no KVTIER_API_TOKEN: API mutations are open to local processes on %s", settings.listen)
+    elif settings.serve.api_token is None:
+        slog.warning(
+            "no KVTIER_API_TOKEN: API mutations are open to local processes on %s", settings.serve.listen
+        )
     from kvtier.controller.status_page import install_status_page
 
     app = create_controlled_app(sidecar)
@@ -90,13 +92,14 @@ def serve(
     # collections would otherwise cost tens of ms each (a tick-latency spike when one lands in a tick)
     gc.freeze()
     # log_config=None: uvicorn keeps configure_logging's handler (JSON lines, quiet probe paths)
+    sv = settings.serve
     uvicorn.run(
-        app, host=host, port=port, log_level=settings.log_level.lower(), log_config=None,
-        limit_concurrency=settings.http_max_inflight * 4,  # connections; the guard limits requests in flight
-        timeout_keep_alive=int(max(1, settings.http_keepalive_s)),
+        app, host=host, port=port, log_level=sv.log_level.lower(), log_config=None,
+        limit_concurrency=sv.http_max_inflight * 4,  # connections; the guard limits requests in flight
+        timeout_keep_alive=int(max(1, sv.http_keepalive_s)),
         h11_max_incomplete_event_size=32 * 1024,  # request line + headers, bytes
         timeout_graceful_shutdown=3,  # SIGTERM: open connections get 3 s, then the sidecar stops
-        http=deadline_protocol(settings.http_request_deadline_s),  # half-sent requests are closed
+        http=deadline_protocol(sv.http_request_deadline_s),  # half-sent requests are closed
     )  # fmt: skip
 
 

@@ -133,10 +133,10 @@ class Sidecar:
         self.settings = settings
         self.registry = registry if registry is not None else CollectorRegistry()
         register_build_info(self.registry)
-        self.client = client or httpx.AsyncClient(timeout=settings.http_timeout_s)
+        self.client = client or httpx.AsyncClient(timeout=settings.collectors.http_timeout_s)
         self._owns_client = client is None
         self.clock = clock
-        self.ingestor = ingestor or KvIngestor(BlockIndex(max_blocks=settings.index_max_blocks))
+        self.ingestor = ingestor or KvIngestor(BlockIndex(max_blocks=settings.collectors.index_max_blocks))
         self.zctx = zmq.asyncio.Context()
         self.metrics_collectors: list[VllmMetricsCollector] = []
         self.subscribers: list[KvEventSubscriber] = []
@@ -146,10 +146,12 @@ class Sidecar:
         self.started_at: float | None = None
         self.emulated_engine = False  # the demo drives the index from a trace: no engine URL needed
         kw: dict[str, Any] = {"client": self.client, "registry": self.registry, "clock": clock}
-        for url in settings.engine_urls:
+        for url in settings.collectors.engine_urls:
             eng = _engine_label(url)
             self.metrics_collectors.append(
-                VllmMetricsCollector(f"vllm_metrics:{eng}", url, timeout_s=settings.http_timeout_s, **kw)
+                VllmMetricsCollector(
+                    f"vllm_metrics:{eng}", url, timeout_s=settings.collectors.http_timeout_s, **kw
+                )
             )
             self.subscribers.append(
                 KvEventSubscriber(
@@ -158,30 +160,32 @@ class Sidecar:
                     ingestor=self.ingestor,
                     context=self.zctx,
                     engine=eng,
-                    replay_timeout_s=settings.replay_timeout_s,
-                    max_seq_gap=settings.max_seq_gap,
-                    timeout_s=settings.http_timeout_s,
+                    replay_timeout_s=settings.collectors.replay_timeout_s,
+                    max_seq_gap=settings.collectors.max_seq_gap,
+                    timeout_s=settings.collectors.http_timeout_s,
                     **kw,
                 )  # fmt: skip
             )
         for module, cls, flag, urls in (
-            ("lmcache_mp", "LMCacheMPCollector", "--lmcache-url", settings.lmcache_urls),
-            ("mooncake", "MooncakeCollector", "--mooncake-url", settings.mooncake_urls),
+            ("lmcache_mp", "LMCacheMPCollector", "--lmcache-url", settings.collectors.lmcache_urls),
+            ("mooncake", "MooncakeCollector", "--mooncake-url", settings.collectors.mooncake_urls),
             ("lmcache_controller", "LMCacheControllerCollector", "--lmcache-controller-url",
-             settings.lmcache_controller_urls),
+             settings.collectors.lmcache_controller_urls),
         ):  # fmt: skip
             for url in urls:
                 self.cache_collectors.append(self._cache_collector(module, cls, flag, url, kw))
-        if settings.storage_enabled:
+        if settings.collectors.storage_enabled:
             self.storage = StorageCollector(
                 registry=self.registry,
                 clock=clock,
-                root=settings.storage_root,
-                tier_paths=settings.tier_paths,
-                devices=settings.storage_devices,
+                root=settings.collectors.storage_root,
+                tier_paths=settings.collectors.tier_paths,
+                devices=settings.collectors.storage_devices,
             )
         self.registry.register(KvMetricsExporter(self))
-        if settings.engine_urls or settings.lmcache_urls:  # the demo serves these families from its emulation
+        if (
+            settings.collectors.engine_urls or settings.collectors.lmcache_urls
+        ):  # the demo serves these families from its emulation
             self.registry.register(TierViewExporter(self.tier_view))
 
     def _cache_collector(
@@ -196,7 +200,7 @@ class Sidecar:
                 f"{flag} given but kvtier.collectors.{module}.{cls} is not available in this build ({exc})"
             ) from exc
         c: Collector[Any, Any] = factory(
-            f"{module}:{_engine_label(url)}", url, timeout_s=self.settings.http_timeout_s, **kw
+            f"{module}:{_engine_label(url)}", url, timeout_s=self.settings.collectors.http_timeout_s, **kw
         )
         return c
 
@@ -210,7 +214,7 @@ class Sidecar:
     # ---- lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
         self.started_at = self.clock()
-        s = self.settings
+        s = self.settings.collectors
         for mc, sub in zip(self.metrics_collectors, self.subscribers, strict=True):
             self._spawn(self._metrics_loop(mc, sub, s.scrape_interval_s), mc.name)
             self._spawn(self._loop(sub, s.discovery_interval_s), sub.name + ":discovery")
@@ -276,7 +280,7 @@ class Sidecar:
         ``down`` report the peers (the ``KvtierPeerDown`` alert watches them through /metrics)."""
         down = {c.name: c.health.last_error or "not polled yet" for c in self.collectors if not c.health.up}
         reasons = []
-        if not self.settings.engine_urls and not self.emulated_engine:
+        if not self.settings.collectors.engine_urls and not self.emulated_engine:
             reasons.append("no engine configured (--engine-url or KVTIER_ENGINE_URLS)")
         if not self._tasks:
             reasons.append("collector loops not started")

@@ -35,7 +35,9 @@ def _root(
 def _register() -> None:
     # Each module adds its commands to ``app`` (one line per subsystem keeps merges trivial).
     from kvtier.controller import serve as _serve
-    from kvtier.replay import cli as _replay_cli  # noqa: F401  (replay, compare)
+    from kvtier.replay import cli as _replay_cli
+
+    _replay_cli.register(app)  # replay, compare
 
     _serve.register(app)  # serve
     from kvtier.controller import cli as _control_cli

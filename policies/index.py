@@ -210,6 +210,11 @@ class BlockIndex:
         return int(self.hash.shape[0])
 
     @property
+    def n_rows(self) -> int:
+        """Rows handed out so far (slots ``[0, n_rows)``; free-listed ones among them are unused)."""
+        return self._n
+
+    @property
     def epoch(self) -> int:
         """Changes whenever a slot is dropped (and may be reused for another hash): a cached hash -> slot
         mapping taken under the same epoch is still valid."""
@@ -267,6 +272,32 @@ class BlockIndex:
     def slots_of_keys(self, keys: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """Slots of int64 keys (already folded, e.g. taken from :attr:`hash`), -1 for untracked."""
         return self._slot.get_many(keys)
+
+    def get_or_allocate_slots(
+        self, keys: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
+        """Slots of the distinct int64 ``keys``, allocating one for each untracked key (free list first,
+        then fresh rows, growing the arrays). Returns (slots, which are new); the new slots' fields are the
+        caller's to initialise. One vectorised lookup + insert (a ``setdefault`` with a candidate slot
+        each); unused candidates go back to the free list."""
+        m = keys.size
+        from_free = min(m, len(self._free))
+        fresh = m - from_free
+        while self._n + fresh > self.capacity:
+            self._grow()
+        free = self._free
+        cand_l = free[len(free) - from_free :]
+        del free[len(free) - from_free :]
+        cand = np.empty(m, dtype=np.int64)
+        cand[:from_free] = cand_l
+        cand[from_free:] = np.arange(self._n, self._n + fresh)
+        self._n += fresh
+        # setdefault per (distinct) key: the existing slot, else the candidate (one probing pass)
+        got = self._slot.get_or_put(keys, cand)
+        is_new = got == cand
+        if not is_new.all():
+            free.extend(cand[~is_new].tolist())
+        return got, is_new
 
     def _new_slot(self, key: int) -> int:
         if self._free:

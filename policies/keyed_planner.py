@@ -163,7 +163,7 @@ class KeyedPlanner:
         out.key = self.key.copy()
         out.heap = list(self.heap)
         out.heap_limit = self.heap_limit
-        out._views()
+        out._views()  # noqa: SLF001 - the same class: a copy rebuilds its own views
         return out
 
     def compact(self) -> None:

@@ -54,18 +54,33 @@ from kvtier.policies.slot_expert import make_expert
 from kvtier.policies.slotmap import LogitCache, SlotMap, grown_size
 
 _I64 = np.int64
-# re-touch columns on by default (round 10, docs/learned.md): the block's age since its first access, and
+# re-touch columns on by default (docs/perf/learned.md): the block's age since its first access, and
 # first touch x log(distinct blocks seen), a raw linear term that carries the drift of first-touch reuse
 # past the horizon the labels lag by; log_gap2_s stays optional
 DEFAULT_EXTRA_FEATURES: tuple[str, ...] = ("log_life_s", "first_log_seen")
 DEFAULT_EXPERTS = ("arc",)  # classic policies shadowed at full size as experts next to the learned planner
 # recency scales of the planners keyed by the model, and of those keyed by the fixed heuristic (the
-# fallback). Round 11: the frequency-weighted expert is heuristic-keyed; the model's labels lag by the
-# horizon, so at x16 it ranked by a regime that was over (round 10's set: (0.1, 1, 16) and ())
+# fallback). The frequency-weighted expert (x16) is heuristic-keyed: the model's labels lag by the horizon,
+# so a model-keyed x16 ranked by a regime that was over
 DEFAULT_LEARNED_MULTS: tuple[float, ...] = (0.1, 1.0)
 DEFAULT_HEURISTIC_MULTS: tuple[float, ...] = (16.0,)
 _REKEY_CHUNK = 16384  # rows per model call when re-keying every resident block after a refit
 _LEAD_BIAS = 3.0  # log-odds added to the real cache's key of a block the followed expert holds
+# training sample: drawn from the last 4 x max_train access events -- recent enough to follow drift, wide
+# enough that the seeded sample is not only the newest burst
+_TRAIN_WINDOW_MULT = 4
+# share of training rows aged like recently evicted blocks (the rest at age 0): the one model answers both
+# the admission question (age 0) and the eviction question (age of a block about to be dropped)
+_EVICT_AGE_SHARE = 0.5
+# the age column enters the fit in units of 100 s (ages are in ms): on the features' scale, so the fit's L2
+# penalty does not shrink the age coefficient more than the others
+_AGE_SCALE_MS = 100_000.0
+# bounds of the fitted recency scale tau, s: below 1 s it is noise; 1e6 s (~12 days) means "age is irrelevant"
+_TAU_MIN_S, _TAU_MAX_S = 1.0, 1e6
+# tau_mode "evict": tau = a quarter of the horizon (ms of horizon per s of tau)
+_EVICT_TAU_DIV = 4000.0
+# log-odds of a block whose last access fell out of the event ring (P ~ 5e-5): ranked as cold
+_COLD_LOGIT = -10.0
 
 
 class LearnedPolicy(Policy):
@@ -121,7 +136,7 @@ class LearnedPolicy(Policy):
         self.classic_key = classic_key
         # evidence (standard errors) needed to leave the starting expert; None: switch_z like any other
         self.home_z = switch_z if home_z is None else home_z
-        # anti-whipsaw (round 12): going back to the expert left at the last switch, within
+        # anti-whipsaw: going back to the expert left at the last switch, within
         # ``return_within`` requests of that switch, needs ``return_z`` (None: no extra bar)
         self.return_z = return_z
         self.return_within = return_within
@@ -301,6 +316,11 @@ class LearnedPolicy(Policy):
 
     def __len__(self) -> int:
         return self._real.n_resident
+
+    @property
+    def blocks_seen(self) -> int:
+        """Distinct blocks the policy keeps per-block state for (grows until a restart; blocks)."""
+        return len(self._slot)
 
     def access(self, req: Request) -> HitMask:
         now = float(req.timestamp_ms)
@@ -493,7 +513,7 @@ class LearnedPolicy(Policy):
         (``D[j, c] / sqrt(Q[j, c])``; ``home_z`` while c is the starting expert, so leaving the model's
         own time scale can take more evidence than coming back to it). This is the hysteresis: noise on
         short traces does not switch. Going back to the expert left at the last switch, within
-        ``return_within`` requests of it, needs ``return_z`` standard errors (round 12: a one-window lead
+        ``return_within`` requests of it, needs ``return_z`` standard errors (else a one-window lead
         of the old expert otherwise reverses a switch whose hand-off is still being paid, and the
         switch forward again pays it twice).
         The real cache keeps its contents (hand-off): from now on blocks the new leader holds get
@@ -584,6 +604,11 @@ class LearnedPolicy(Policy):
         if self._requests % self.retrain_every != 0:
             return
         self._retrain(now)
+
+    @property
+    def retrains(self) -> int:
+        """Model refits so far (a version number: memoised scores and quality change only when it does)."""
+        return self._n_retrains
 
     def retrain(self, now_ms: float | None = None) -> bool:
         """Score and refit now (normally every ``retrain_every`` requests), as of ``now_ms`` (default: the
@@ -699,7 +724,7 @@ class LearnedPolicy(Policy):
         lo, hi = self._labelled_range(now - hz)
         if hi <= lo:
             return
-        start = max(lo, hi - 4 * self.max_train)
+        start = max(lo, hi - _TRAIN_WINDOW_MULT * self.max_train)
         idx = np.arange(start, hi, dtype=_I64)
         if idx.size > self.max_train:
             idx = np.sort(self._train_rng.choice(idx, size=self.max_train, replace=False))
@@ -710,20 +735,20 @@ class LearnedPolicy(Policy):
         age = np.zeros(idx.size)
         k = min(self._n_evict_age, self._evict_age.shape[0])
         if k:
-            half = self._train_rng.random(idx.size) < 0.5
+            half = self._train_rng.random(idx.size) < _EVICT_AGE_SHARE
             age[half] = self._evict_age[self._train_rng.integers(0, k, size=int(half.sum()))]
         ok = (gap > age) & (t + age + hz <= now)  # not yet reused at that age; label final
         y = (gap <= age + hz)[ok]
         npos = int(y.sum())
         if npos < self.min_class or y.size - npos < self.min_class:
             return
-        self.model.fit(self._ev_x[pos[ok]].astype(np.float64), y, extra=(age[ok] / 100_000.0)[:, None])
+        self.model.fit(self._ev_x[pos[ok]].astype(np.float64), y, extra=(age[ok] / _AGE_SCALE_MS)[:, None])
         self._n_retrains += 1
-        beta = float(self.model.extra_coef[0]) / 100.0  # log-odds per second of age
+        beta = float(self.model.extra_coef[0]) / (_AGE_SCALE_MS / 1000.0)  # log-odds per second of age
         if self.tau_mode == "learned":
-            self.tau_s = float(np.clip(-1.0 / beta, 1.0, 1e6)) if beta < 0 else 1e6
+            self.tau_s = float(np.clip(-1.0 / beta, _TAU_MIN_S, _TAU_MAX_S)) if beta < 0 else _TAU_MAX_S
         elif self.tau_mode == "evict":
-            self.tau_s = hz / 4000.0
+            self.tau_s = hz / _EVICT_TAU_DIV
         else:  # "gap": mean observed reuse gap within the horizon
             g = gap[(gap <= hz)]
             self.tau_s = float(np.clip(g.mean() / 1000.0, 1.0, hz / 1000.0)) if g.size else self.tau_s
@@ -736,8 +761,8 @@ class LearnedPolicy(Policy):
         for pl in planners:
             mask |= pl.resident[:n]
         res = np.flatnonzero(mask)
-        z = np.full(n, -10.0)  # a block whose access fell out of the ring: treat as cold
-        zh = np.full(n, -10.0)  # the same for the heuristic-keyed planners
+        z = np.full(n, _COLD_LOGIT)  # a block whose access fell out of the ring: treat as cold
+        zh = np.full(n, _COLD_LOGIT)  # the same for the heuristic-keyed planners
         need_m = any(not pl.heuristic for pl in planners)
         need_h = any(pl.heuristic for pl in planners)
         if res.size:

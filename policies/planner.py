@@ -34,6 +34,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.policies.budget import TokenBucket
 from kvtier.policies.inflight import InFlightMoves
 from kvtier.policies.tiers import TIER_ORDER, Tier
 
@@ -48,6 +49,19 @@ _FIRST_RANK = np.array(
     [next((r for r in range(len(TIER_ORDER)) if m >> r & 1), len(TIER_ORDER)) for m in range(256)], np.int8
 )
 _RANK = {t: i for i, t in enumerate(TIER_ORDER)}
+
+# Candidate pruning (the ``lowest_*`` / ``highest_gain_*`` bounds below). Values only change speed, never
+# which rows a tick picks: any probe of at least k rows gives a valid threshold.
+# probe: the 4 k rows with the most extreme P of a sample; 4x oversampling keeps the k-th value among them
+# close to the true k-th so the cut keeps few extra rows, at a cost still far below a full argpartition
+_PROBE_MULT = 4
+# sample: about 64 k rows strided over all of them, cheap to partition yet wide enough to hold 4 k rows
+# representative of the whole set
+_SAMPLE_MULT = 64
+# relative widening of a cut on P: covers the rounding of theta / bound so the kept set stays a superset
+_CUT_REL_SLACK = 1e-9
+# absolute slack of the gain bounds, relative to the largest value: covers the rounding of a difference
+_GAIN_REL_SLACK = 1e-12
 
 
 def tier_bit(tier: Tier) -> int:
@@ -202,19 +216,12 @@ class Plan:
     tier_usage: dict[str, int] = field(default_factory=dict)  # tier -> resident blocks observed
 
 
-@dataclass(slots=True)
-class _Bucket:
-    bytes: float
-    ops: float
-    at_s: float
-
-
 class Planner:
     """Stateful only in its token buckets and the committed moves (both fed by the caller's clock)."""
 
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
-        self._buckets: dict[str, _Bucket] = {}
+        self._buckets: dict[str, TokenBucket] = {}
         # each block's latest committed move (time, bits it clears / sets) as arrays: the in-flight pass
         self._inflight = InFlightMoves()
 
@@ -223,21 +230,18 @@ class Planner:
         self.config = config
 
     # -- budgets -----------------------------------------------------------------------------------------
-    def _bucket(self, link: str, now_s: float) -> _Bucket:
+    def _bucket(self, link: str, now_s: float) -> TokenBucket:
+        """The link's bucket (amount = bytes), refilled to ``now_s``."""
         b = self.config.budget(link)
-        cap_bytes, cap_ops = b.bytes_per_s * b.burst_s, b.ops_per_s * b.burst_s
         bk = self._buckets.get(link)
         if bk is None:
-            bk = self._buckets[link] = _Bucket(cap_bytes, cap_ops, now_s)
-        dt = max(0.0, now_s - bk.at_s)
-        bk.bytes = min(cap_bytes, bk.bytes + dt * b.bytes_per_s)
-        bk.ops = min(cap_ops, bk.ops + dt * b.ops_per_s)
-        bk.at_s = now_s
+            bk = self._buckets[link] = TokenBucket.full(b.bytes_per_s, b.ops_per_s, b.burst_s, now_s)
+        bk.refill(now_s, b.bytes_per_s, b.ops_per_s, b.burst_s)
         return bk
 
     def budget_state(self) -> dict[str, dict[str, float]]:
         """Remaining quota per link (bytes, ops) as of the last tick."""
-        return {k: {"bytes": v.bytes, "ops": v.ops} for k, v in self._buckets.items()}
+        return {k: {"bytes": v.amount, "ops": v.ops} for k, v in self._buckets.items()}
 
     # -- hysteresis ----------------------------------------------------------------------------------------
     def commit(self, moves: Iterable[Move], now_s: float) -> None:
@@ -465,7 +469,7 @@ class Planner:
         # 4. spend the link budgets: class first (pins, shedding, gains), then highest value.
         candidates.sort(key=lambda c: (c[0], c[1]))
         # each link's bucket is refilled once per plan (a refill at the same now_s changes nothing)
-        refilled: dict[tuple[Tier | None, Tier | None], _Bucket] = {}
+        refilled: dict[tuple[Tier | None, Tier | None], TokenBucket] = {}
         for _, _, m in candidates:
             if allowed is not None and m.action not in allowed:
                 continue
@@ -473,11 +477,9 @@ class Planner:
             bk = refilled.get((m.src, m.dst))
             if bk is None:
                 bk = refilled[(m.src, m.dst)] = self._bucket(m.link, now_s)
-            if bk.ops < 1.0 or bk.bytes < m.nbytes:
+            if not bk.take(m.nbytes):
                 plan.deferred[m.action] += 1
                 continue
-            bk.ops -= 1.0
-            bk.bytes -= m.nbytes
             plan.moves.append(m)
         return plan
 
@@ -781,15 +783,19 @@ class _ValueBounds:
         pr = self._p(rows)
         # value >= p * a_lo (floating-point monotone: tokens >= tok_min, nbytes <= nb_max)
         a_lo = self.tok_min * self.c - self.nb_max / float(self.bw[rank])
-        if pr is None or a_lo <= 0.0 or rows.size <= 4 * k:
+        if pr is None or a_lo <= 0.0 or rows.size <= _PROBE_MULT * k:
             return rows
         # the probe: the least likely rows of a strided sample (any k+ rows give a valid threshold; the
         # sample's keep it tight at a fraction of the cost, and of the worst cases, of a full argpartition)
-        sample = np.arange(0, rows.size, max(1, rows.size // (64 * k)))
-        probe = sample[np.argpartition(pr[sample], 4 * k)[: 4 * k]] if sample.size > 4 * k else sample
+        sample = np.arange(0, rows.size, max(1, rows.size // (_SAMPLE_MULT * k)))
+        probe = (
+            sample[np.argpartition(pr[sample], _PROBE_MULT * k)[: _PROBE_MULT * k]]
+            if sample.size > _PROBE_MULT * k
+            else sample
+        )
         theta = float(np.partition(value(rows[probe]), k - 1)[k - 1])  # k-th lowest value among them
         # p * a_lo <= theta, as one comparison in P's own type against a cut rounded up (keeps a superset)
-        cut = np.nextafter(pr.dtype.type(theta / a_lo * (1.0 + 1e-9)), pr.dtype.type(np.inf))
+        cut = np.nextafter(pr.dtype.type(theta / a_lo * (1.0 + _CUT_REL_SLACK)), pr.dtype.type(np.inf))
         return rows[pr <= cut]
 
     def _p_nonneg(self) -> bool:
@@ -800,8 +806,8 @@ class _ValueBounds:
 
     @staticmethod
     def _mask_sample(mask: npt.NDArray[np.bool_], count: int, k: int) -> npt.NDArray[np.intp]:
-        """About ``64 k`` of the ``count`` rows set in ``mask``, strided over all rows (ascending)."""
-        pos = np.arange(0, mask.shape[0], max(1, count // (64 * k)), dtype=np.intp)
+        """About ``_SAMPLE_MULT * k`` of the ``count`` rows set in ``mask``, strided (ascending)."""
+        pos = np.arange(0, mask.shape[0], max(1, count // (_SAMPLE_MULT * k)), dtype=np.intp)
         return pos[mask[pos]]
 
     def lowest_in_mask(
@@ -815,13 +821,19 @@ class _ValueBounds:
         """:meth:`lowest_candidates` of ``np.flatnonzero(mask)`` (``count`` rows), without listing them all:
         the probe is a strided sample of the mask and the cut one pass over P (the same comparison)."""
         a_lo = self.tok_min * self.c - self.nb_max / float(self.bw[rank])
-        if count > 4 * k and a_lo > 0.0 and self._p_nonneg():
+        if count > _PROBE_MULT * k and a_lo > 0.0 and self._p_nonneg():
             sample = self._mask_sample(mask, count, k)
             if sample.size >= k:
                 ps = self.p.take(sample)
-                probe = sample[np.argpartition(ps, 4 * k)[: 4 * k]] if sample.size > 4 * k else sample
+                probe = (
+                    sample[np.argpartition(ps, _PROBE_MULT * k)[: _PROBE_MULT * k]]
+                    if sample.size > _PROBE_MULT * k
+                    else sample
+                )
                 theta = float(np.partition(value(probe), k - 1)[k - 1])  # >= the k-th lowest of the mask
-                cut = np.nextafter(self.p.dtype.type(theta / a_lo * (1.0 + 1e-9)), self.p.dtype.type(np.inf))
+                cut = np.nextafter(
+                    self.p.dtype.type(theta / a_lo * (1.0 + _CUT_REL_SLACK)), self.p.dtype.type(np.inf)
+                )
                 keep = self.p <= cut
                 keep &= mask
                 return np.flatnonzero(keep)
@@ -840,12 +852,16 @@ class _ValueBounds:
         ``tier_mask``) without listing them all: a strided sample gives the threshold, one pass over P
         against the largest source bound keeps a superset, which is then cut by each row's own bound."""
         slower = np.uint8(~((1 << (rank + 1)) - 1) & 0xFF)
-        if count > 4 * k and self._p_nonneg():
+        if count > _PROBE_MULT * k and self._p_nonneg():
             sample = self._mask_sample(mask, count, k)
             if sample.size >= k:
                 b = self.source_gain_bounds(rank)
                 bs = self.p.take(sample) * b[_FIRST_RANK[tier_mask[sample] & slower]]
-                probe = sample[np.argpartition(-bs, 4 * k)[: 4 * k]] if sample.size > 4 * k else sample
+                probe = (
+                    sample[np.argpartition(-bs, _PROBE_MULT * k)[: _PROBE_MULT * k]]
+                    if sample.size > _PROBE_MULT * k
+                    else sample
+                )
                 theta = float(-np.partition(-gain(probe), k - 1)[k - 1])  # <= the k-th highest of the mask
                 if not theta > 0.0:
                     return np.flatnonzero(mask)
@@ -854,7 +870,7 @@ class _ValueBounds:
                     return np.zeros(0, np.intp)  # no row's gain can be positive
                 # p * b_max >= p * b[src] >= theta: a cut on P alone, rounded down (keeps a superset)
                 ft = self.p.dtype.type
-                cut = np.nextafter(ft(theta / b_max * (1.0 - 1e-9)), ft(-np.inf))
+                cut = np.nextafter(ft(theta / b_max * (1.0 - _CUT_REL_SLACK)), ft(-np.inf))
                 keep = self.p >= cut
                 keep &= mask
                 rows = np.flatnonzero(keep)
@@ -874,10 +890,10 @@ class _ValueBounds:
         """Rows that can be among the ``k`` highest fill ``gain`` into ``rank``; ``src_rank``: each row's
         fastest copy (``len(TIER_ORDER)`` = none: an admission)."""
         pr = self._p(rows)
-        if pr is None or rows.size <= 4 * k:
+        if pr is None or rows.size <= _PROBE_MULT * k:
             return rows
         bound = pr * self.source_gain_bounds(rank)[src_rank]
-        probe = np.argpartition(-bound, 4 * k)[: 4 * k]  # the rows with the highest bounds
+        probe = np.argpartition(-bound, _PROBE_MULT * k)[: _PROBE_MULT * k]  # highest bounds
         theta = float(-np.partition(-gain(rows[probe]), k - 1)[k - 1])  # k-th highest gain among them
         if not theta > 0.0:
             return rows
@@ -889,7 +905,7 @@ class _ValueBounds:
         saved; plus slack for the rounding of a difference of two values."""
         c, bw = self.c, self.bw
         inv_t = 1.0 / float(bw[rank])
-        slack = 1e-12 * (self.tok_max * c + self.nb_max / float(bw.min()))
+        slack = _GAIN_REL_SLACK * (self.tok_max * c + self.nb_max / float(bw.min()))
         b = np.array([self.nb_max * max(0.0, 1.0 / float(x) - inv_t) for x in bw]) + slack
         b[len(TIER_ORDER)] = self.tok_max * c - self.nb_min * inv_t + slack
         return b

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import Any
 
 from kvtier.policies.base import Policy
 
@@ -75,6 +76,7 @@ def is_available(name: str) -> bool:
     return True
 
 
-def get_policy(name: str, capacity_blocks: int, seed: int = 0) -> Policy:
-    """Build policy ``name`` holding at most ``capacity_blocks`` blocks."""
-    return _resolve(name)(capacity_blocks, seed=seed)
+def get_policy(name: str, capacity_blocks: int, seed: int = 0, **options: Any) -> Policy:
+    """Build policy ``name`` holding at most ``capacity_blocks`` blocks; ``options`` are its constructor's
+    other keyword arguments (e.g. the ``learned`` settings section)."""
+    return _resolve(name)(capacity_blocks, seed=seed, **options)

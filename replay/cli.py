@@ -10,7 +10,6 @@ from typing import Any, NoReturn
 
 import typer
 
-from kvtier.cli import app
 from kvtier.usage import fail, require_module
 
 _LONG_RUN_REQUESTS = 20_000  # show a progress bar when this many request-replays are ahead
@@ -63,7 +62,6 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.2f}"
 
 
-@app.command("replay")
 def replay_cmd(
     trace: str = typer.Argument(..., help="Mooncake JSONL trace (.jsonl or .jsonl.gz), or 'bundled'."),
     policy: str = typer.Option("lru", "--policy", "-p", help="Policy name (see registry)."),
@@ -181,7 +179,6 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-@app.command("compare")
 def compare_cmd(
     trace: str = typer.Argument(..., help="Mooncake JSONL trace (.jsonl or .jsonl.gz), or 'bundled'."),
     policies: str = typer.Option(
@@ -249,3 +246,8 @@ def compare_cmd(
         con.print(t)
     if plot is not None:
         print(f"plot written to {plot}", file=sys.stderr)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("replay")(replay_cmd)
+    app.command("compare")(compare_cmd)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: installs the real peers (vLLM CPU, LMCache, Mooncake,
-# Prometheus, Chromium), a dev venv with kvtier, then runs ruff, mypy and pytest.
+# Prometheus, Chromium), a dev venv with kvtier, then runs ruff, lint-imports, mypy and pytest.
 # Usage: scripts/test.sh [--fast] [pytest args...]
 #   --fast: the tests that need no live peer (no vLLM, LMCache, Mooncake, Prometheus, Chromium, compose
 #           client, npm validators, nothing marked slow), without installing the peers; the full suite (no flag) is CI's.
@@ -22,5 +22,6 @@ if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
 "$VENV/bin/pip" install -q -e '.[dev]'
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
+"$VENV/bin/python" scripts/lint_imports.py  # lint-imports: the layers contract in pyproject.toml
 "$VENV/bin/python" scripts/typecheck.py
 exec "$VENV/bin/python" -m pytest "${FAST[@]}" "$@"

@@ -16,6 +16,9 @@ Conventions (all adapters):
 - **Safety.** No method ever deletes the last copy of a block, except :meth:`Actuator.evict`, whose
   purpose is to drop it. ``demote`` = copy, verify, then free; when the copy cannot be verified the
   key's outcome is ``skipped``.
+- **Declared traits.** What the reconcile loop needs to know about a layer beyond its capabilities is a
+  class attribute of :class:`Actuator` (``tiers``, ``token_addressed``, ``recreates``, ``records_only``,
+  ``refreshes_pins``); the loop reads nothing else and never keys behaviour on an adapter's name.
 - **Resilience.** Timeouts, retries with exponential backoff + jitter, and a circuit breaker
   (:mod:`kvtier.controller.actuators.resilience`); when the breaker is open calls fail fast with
   outcome ``failed`` and ``detail`` ``"circuit open"``.
@@ -49,11 +52,19 @@ class Capability(StrEnum):
 
 
 class Outcome(StrEnum):
-    """Per-key result of an actuation (the decision audit trail uses the same words)."""
+    """The one outcome vocabulary: of an adapter's per-key actuation (``applied``, ``skipped``, ``failed``)
+    and of a decision in the audit trail, which also has ``planned`` (not acted on yet) and ``shadow``
+    (recorded only: shadow mode, no actuator can do it, or a records-only adapter)."""
 
+    PLANNED = "planned"  # decided, not acted on yet (decisions only)
+    SHADOW = "shadow"  # recorded, not acted on (decisions only)
     APPLIED = "applied"  # the layer confirmed the change
-    SKIPPED = "skipped"  # nothing to do (already there) or refused for safety; see detail
     FAILED = "failed"  # the layer refused or could not be reached
+    SKIPPED = "skipped"  # nothing to do (already there) or refused for safety; see detail
+
+
+#: the outcomes an adapter reports per key
+ACTUATION_OUTCOMES = frozenset({Outcome.APPLIED, Outcome.FAILED, Outcome.SKIPPED})
 
 
 class NotSupported(Exception):
@@ -132,9 +143,23 @@ class AdapterHealth:
 
 
 class Actuator(ABC):
-    """Base class for cache-layer adapters. Subclasses override the methods they advertise."""
+    """Base class for cache-layer adapters. Subclasses override the methods they advertise and declare
+    their traits (class attributes below; the defaults describe a plain key-addressed layer)."""
 
     name: str = "abstract"
+    #: the kvtier tiers this layer holds copies in; a move is routed here only when both its ends are among
+    #: them (a gpu -> cpu demote is not LMCache's to make). None: any tier (shadow).
+    tiers: frozenset[Tier] | None = None
+    #: one ref stands for every chunk of its token prefix; the layer answers per chunk, so the loop calls it
+    #: ref by ref to attribute an outcome to each decision
+    token_addressed: bool = False
+    #: can bring back a block resident nowhere (recompute through the engine): ``admit`` moves route here
+    recreates: bool = False
+    #: records decisions without touching any layer (shadow): its outcomes count as ``shadow``, and it takes
+    #: every action, admissions included
+    records_only: bool = False
+    #: pins are emulated: :meth:`refresh_pins` must run once per active tick (maintenance hook)
+    refreshes_pins: bool = False
 
     @abstractmethod
     def capabilities(self) -> frozenset[Capability]:
@@ -181,6 +206,11 @@ class Actuator(ABC):
     def set_quota(self, cache_salt: str, limit_bytes: int | None) -> ActuationResult:
         """Cap a tenant's usage (None removes the cap)."""
         raise self._unsupported(Capability.QUOTA)
+
+    def refresh_pins(self) -> ActuationResult:
+        """Maintenance hook of layers with ``refreshes_pins``: re-assert every pin (re-load what the layer
+        evicted under pressure). Called once per active tick."""
+        raise NotSupported(f"actuator {self.name!r} does not refresh pins")
 
     def health(self) -> AdapterHealth:
         return AdapterHealth(self.name, "closed", 0)

@@ -52,6 +52,7 @@ class LMCacheControllerActuator(Actuator):
     """``caller``: HttpCaller on the controller's HTTP port; ``instance_id``: the default worker instance."""
 
     name = "lmcache-controller"
+    tiers = frozenset({Tier.CPU, Tier.DISK})
 
     def __init__(self, caller: HttpCaller, *, instance_id: str, clock: Clock = time.monotonic) -> None:
         self.caller = caller

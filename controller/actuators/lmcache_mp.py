@@ -90,6 +90,8 @@ class LMCacheMPActuator(Actuator):
 
     name = "lmcache-mp"
     token_addressed = True  # one ref's keys are the chunks of its prefix, not its layer_key
+    tiers = frozenset({Tier.CPU, Tier.DISK})  # L1 (DRAM) and L2 (fs)
+    refreshes_pins = True  # pins are emulated by re-prefetching (refresh_pins)
 
     def __init__(
         self,
@@ -121,7 +123,9 @@ class LMCacheMPActuator(Actuator):
         self._pins_lock = threading.Lock()
 
     # ---- discovery -------------------------------------------------------------------------------
-    def _status(self) -> dict[str, Any]:
+    def server_status(self) -> dict[str, Any]:
+        """The MP server's ``GET /status`` body (chunk size, L1/L2 managers' object counts); raises
+        TransientError when it does not answer 200 with an object. Goes through this adapter's breaker."""
         reply, _ = self.caller.request("GET", "/status")
         if reply.status != 200 or not isinstance(reply.body, dict):
             raise TransientError(f"GET /status -> {reply.status}")
@@ -130,12 +134,12 @@ class LMCacheMPActuator(Actuator):
     def chunk_size(self) -> int:
         """Tokens per LMCache chunk (from ``/status`` unless given)."""
         if self._chunk_size is None:
-            self._chunk_size = int(self._status()["chunk_size"])
+            self._chunk_size = int(self.server_status()["chunk_size"])
         return self._chunk_size
 
     def verifier(self) -> L2Verifier | None:
         if self._verifier is None and self._discover:
-            self._verifier = FsL2Verifier.from_status(self._status())
+            self._verifier = FsL2Verifier.from_status(self.server_status())
             self._discover = False
         return self._verifier
 

@@ -62,6 +62,7 @@ class MooncakeActuator(Actuator):
     ``ReplicateConfig`` / ``SoftPinAction``); ``admin``: HttpCaller on the master's metrics port."""
 
     name = "mooncake"
+    tiers = frozenset({Tier.CPU, Tier.DISK, Tier.REMOTE})
 
     def __init__(
         self,

@@ -1,6 +1,14 @@
-"""Build cache-layer actuators by name (``kvtier serve --actuator NAME``): ``lmcache-mp``,
-``lmcache-controller``, ``mooncake``, ``memory`` (the simulator's layer). ``vllm-warmup`` and ``shadow`` are
-registered by their own modules through :func:`register`."""
+"""Every actuator by name (``kvtier serve --actuator NAME``, the ``actuators`` settings ``kind``):
+``shadow``, ``vllm-warmup``, ``lmcache-mp``, ``lmcache-controller``, ``mooncake``, ``memory`` (the
+simulator's layer).
+
+Each entry is a factory taking keyword arguments, plus the wiring value it may take from the sidecar when
+the options do not set it (:data:`WIRING`: ``url`` from the first ``--lmcache-url``, the engine's URL and
+model for ``vllm-warmup``).
+
+The settings' actuator union (:data:`kvtier.controller.settings.ActuatorSettings`) has one more kind,
+``lmcache-l1``: the LMCache L1 keeper acts beside the reconcile loop rather than for the planner, so it is no
+:class:`Actuator`; ``control_sidecar.build_keeper`` builds it on its own ``lmcache-mp`` adapter."""
 
 from __future__ import annotations
 
@@ -29,6 +37,20 @@ def build(name: str, **settings: Any) -> Actuator:
     except KeyError:
         raise ValueError(f"unknown actuator {name!r}; known: {names()}") from None
     return factory(**settings)
+
+
+def _shadow() -> Actuator:
+    from .shadow import ShadowActuator
+
+    return ShadowActuator()
+
+
+def _vllm_warmup(*, engine_url: str, engine_model: str, **kw: Any) -> Actuator:
+    """``engine_url``/``engine_model``: the vLLM server warmed (defaults: the first ``--engine-url`` and its
+    served model); other keywords go to :class:`VllmWarmupActuator` (``budget``, ``timeout_s``)."""
+    from .vllm_warmup import VllmWarmupActuator
+
+    return VllmWarmupActuator(engine_url, engine_model, **kw)
 
 
 def _lmcache_mp(
@@ -96,6 +118,15 @@ def _memory(**kw: Any) -> Actuator:
     return build_memory(**kw)
 
 
+# name -> {factory keyword: (sidecar wiring value, the flag that sets it)} filled in unless the options set it
+WIRING: dict[str, dict[str, tuple[str, str]]] = {
+    "vllm-warmup": {"engine_url": ("engine_url", "--engine-url"), "engine_model": ("engine_model", "")},
+    "lmcache-mp": {"url": ("lmcache_url", "--lmcache-url")},
+    "lmcache-controller": {"url": ("lmcache_controller_url", "--lmcache-controller-url")},
+}
+
+register("shadow", _shadow)
+register("vllm-warmup", _vllm_warmup)
 register("lmcache-mp", _lmcache_mp)
 register("lmcache-controller", _lmcache_controller)
 register("mooncake", _mooncake)

@@ -26,6 +26,7 @@ _CAPS = frozenset(
 
 class ShadowActuator(Actuator):
     name = "shadow"
+    records_only = True  # every call is a shadow decision
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple[str, ...], str | None]] = []

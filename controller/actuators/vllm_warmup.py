@@ -30,11 +30,13 @@ from kvtier.controller.actuators.resilience import (
     Resilient,
     RetryPolicy,
 )
+from kvtier.policies.budget import TokenBucket
 from kvtier.policies.tiers import Tier
 
 
 class WarmupBudget:
-    """Token bucket over prompt tokens and requests; ``burst_s`` seconds of rate deep. Clock in seconds."""
+    """Warm-up budget over prompt tokens and requests (a :class:`TokenBucket`, ``burst_s`` seconds of rate
+    deep). Clock in seconds."""
 
     def __init__(
         self,
@@ -45,28 +47,12 @@ class WarmupBudget:
     ) -> None:
         self.tokens_per_s, self.requests_per_s, self.burst_s = tokens_per_s, requests_per_s, burst_s
         self._clock = clock
-        self._tokens = tokens_per_s * burst_s
-        self._reqs = requests_per_s * burst_s
-        self._at = self._now()
-
-    def _now(self) -> float:
-        return self._clock()
-
-    def _refill(self) -> None:
-        now = self._now()
-        dt = max(0.0, now - self._at)
-        self._at = now
-        self._tokens = min(self.tokens_per_s * self.burst_s, self._tokens + dt * self.tokens_per_s)
-        self._reqs = min(self.requests_per_s * self.burst_s, self._reqs + dt * self.requests_per_s)
+        self._bucket = TokenBucket.full(tokens_per_s, requests_per_s, burst_s, clock())
 
     def take(self, tokens: int) -> bool:
         """Spend one request of ``tokens`` prompt tokens if the budget allows it."""
-        self._refill()
-        if self._reqs < 1.0 or self._tokens < tokens:
-            return False
-        self._reqs -= 1.0
-        self._tokens -= tokens
-        return True
+        self._bucket.refill(self._clock(), self.tokens_per_s, self.requests_per_s, self.burst_s)
+        return self._bucket.take(tokens)
 
 
 class VllmWarmupActuator(Actuator):

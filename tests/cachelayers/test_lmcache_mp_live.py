@@ -225,11 +225,13 @@ def test_sidecar_status_per_tier_hits_match_lmcache_and_vllm(rig: Rig) -> None:
     }
     ext = scrape_sum(rig.vllm.url, "vllm:external_prefix_cache_hits_total")
     assert own["cpu"] > 0 and own["disk"] > 0 and own["cpu"] + own["disk"] == ext
-    settings = Settings(
-        engine_urls=[rig.vllm.url],
-        lmcache_urls=[rig.server.url],
-        scrape_interval_s=0.5,
-        storage_enabled=False,
+    settings = Settings.model_validate(
+        dict(
+            engine_urls=[rig.vllm.url],
+            lmcache_urls=[rig.server.url],
+            scrape_interval_s=0.5,
+            storage_enabled=False,
+        )
     )
     with running(settings) as sc:
 

@@ -25,11 +25,11 @@ def test_settings_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     )
     monkeypatch.setenv("KVTIER_SCRAPE_INTERVAL_S", "3")
     s = load_settings(cfg, listen="127.0.0.1:9001")
-    assert s.engine_urls == ["http://127.0.0.1:1"] and s.tier_paths == {"disk": "/tmp"}
-    assert s.scrape_interval_s == 3.0  # env beats file
-    assert s.listen_host_port == ("127.0.0.1", 9001)  # flag beats both
+    assert s.collectors.engine_urls == ["http://127.0.0.1:1"] and s.collectors.tier_paths == {"disk": "/tmp"}
+    assert s.collectors.scrape_interval_s == 3.0  # env beats file
+    assert s.serve.listen_host_port == ("127.0.0.1", 9001)  # flag beats both
     monkeypatch.setenv("KVTIER_ENGINE_URLS", "127.0.0.1:2,http://127.0.0.1:3/")
-    assert load_settings(cfg).engine_urls == ["http://127.0.0.1:2", "http://127.0.0.1:3"]
+    assert load_settings(cfg).collectors.engine_urls == ["http://127.0.0.1:2", "http://127.0.0.1:3"]
     bad = tmp_path / "bad.json"
     bad.write_text("{nope")
     with pytest.raises(ValueError, match="bad.json"):
@@ -47,7 +47,7 @@ def test_settings_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 )
 def test_tier_paths_env_forms(monkeypatch: pytest.MonkeyPatch, env: str, want: dict[str, str]) -> None:
     monkeypatch.setenv("KVTIER_TIER_PATHS", env)
-    assert load_settings().tier_paths == want
+    assert load_settings().collectors.tier_paths == want
 
 
 @pytest.mark.parametrize(
@@ -105,7 +105,7 @@ def test_cache_layer_flag_builds_its_collector() -> None:
     from kvtier.controller.settings import Settings
     from kvtier.controller.sidecar import Sidecar
 
-    sc = Sidecar(Settings(mooncake_urls=["http://127.0.0.1:1"], storage_enabled=False))
+    sc = Sidecar(Settings.model_validate(dict(mooncake_urls=["http://127.0.0.1:1"], storage_enabled=False)))
     assert [c.kind for c in sc.cache_collectors] == ["mooncake"]
     layers = json.loads(json.dumps(sc.status()))["cache_layers"]
     assert [(c["kind"], c["url"]) for c in layers] == [("mooncake", "http://127.0.0.1:1")]
@@ -116,7 +116,7 @@ def test_cache_layer_flag_builds_its_collector() -> None:
 )
 def test_lmcache_controller_urls_env_forms(monkeypatch: pytest.MonkeyPatch, env: str) -> None:
     monkeypatch.setenv("KVTIER_LMCACHE_CONTROLLER_URLS", env)
-    assert load_settings().lmcache_controller_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    assert load_settings().collectors.lmcache_controller_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
 
 
 def test_down_lmcache_controller_is_named_by_readyz_and_counted(tmp_path: Path) -> None:

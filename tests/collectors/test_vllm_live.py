@@ -81,8 +81,9 @@ def srv() -> Iterator[vllm_peer.VllmServer]:
 
 @pytest.fixture(scope="module")
 def side(srv: vllm_peer.VllmServer) -> Iterator[sidecar_peer.SidecarThread]:
-    settings = Settings(engine_urls=[srv.url], scrape_interval_s=0.5, discovery_interval_s=0.5,
-                        storage_interval_s=1.0)  # fmt: skip
+    settings = Settings.model_validate(
+        dict(engine_urls=[srv.url], scrape_interval_s=0.5, discovery_interval_s=0.5, storage_interval_s=1.0)
+    )
     with sidecar_peer.running(settings) as sc:
         wait_for(lambda: sc.get("/readyz").json()["peers_up"], 60, "sidecar ready, peers up")
         yield sc

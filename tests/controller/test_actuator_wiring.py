@@ -40,7 +40,7 @@ def test_an_options_url_wins_over_the_flags() -> None:
     ("name", "kw", "message"),
     [
         ("lmcache-controller", {"options": {"instance_id": "w0"}}, "--lmcache-controller-url"),
-        ("lmcache-controller", {"lmcache_controller_url": "http://h:1"}, "KVTIER_ACTUATOR_OPTIONS"),
+        ("lmcache-controller", {"lmcache_controller_url": "http://h:1"}, "actuators settings"),
         ("lmcache-mp", {}, "--lmcache-url"),
         ("vllm-warmup", {}, "--engine-url"),
         ("nope", {}, "unknown actuator"),

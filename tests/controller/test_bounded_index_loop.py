@@ -1,5 +1,6 @@
 """The sidecar's control path over a *bounded* block index (``KVTIER_INDEX_MAX_BLOCKS``): KV-event batches go
-through the real ``ControlIngestor`` (index, request inference, placement feed) while the real reconcile
+through the real ``KvIngestor`` and ``ControlSink`` (index, request inference, placement feed) while the real
+reconcile
 loop ticks in shadow mode with the learned placement policy, and the index keeps reclaiming rows for new
 blocks. Every tick completes without fallbacks or errors, the policy keeps planning, and every decision
 names a block the sidecar saw. Pure (decoded batches, injected clock); the ZMQ path is tested elsewhere."""
@@ -11,8 +12,9 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from kvtier.collectors.kv_ingest import KvIngestor
 from kvtier.collectors.vllm_events import BlockRemoved, BlockStored, DecodedBatch
-from kvtier.controller.control_sidecar import ControlIngestor
+from kvtier.controller.control_sidecar import ControlSink
 from kvtier.controller.policy_doc import PolicyDoc, TierConfig
 from kvtier.controller.runtime import build_control_plane
 from kvtier.policies.index import BlockIndex
@@ -23,7 +25,7 @@ def test_loop_ticks_cleanly_while_the_bounded_index_reclaims(tmp_path: Path) -> 
     rng = random.Random(5)
     now = [1_000.0]
     idx = BlockIndex(initial_capacity=256, max_blocks=3_000)
-    ing = ControlIngestor(idx, flush_every=256)
+    ing = KvIngestor(idx, flush_every=256)
     doc = PolicyDoc(
         mode="shadow",
         tiers=[
@@ -34,7 +36,7 @@ def test_loop_ticks_cleanly_while_the_bounded_index_reclaims(tmp_path: Path) -> 
     plane = build_control_plane(
         idx, registry=CollectorRegistry(), state_dir=tmp_path, mode="shadow", clock=lambda: now[0], policy=doc
     )
-    ing.plane = plane
+    ing.sinks.append(ControlSink(plane))
     loop = plane.loop
     prefixes = [[rng.getrandbits(63) for _ in range(6)] for _ in range(40)]  # shared prefixes come back
     live: list[int] = []

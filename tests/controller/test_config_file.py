@@ -49,7 +49,8 @@ def test_a_good_yaml_file_sets_the_values(tmp_path: Path, monkeypatch: pytest.Mo
     cfg = tmp_path / "kvtier.yaml"
     cfg.write_text("engine_urls: [http://127.0.0.1:8000]\nscrape_interval_s: 1.5\nmode: shadow\n")
     s = load_settings(cfg)
-    assert s.engine_urls == ["http://127.0.0.1:8000"] and s.scrape_interval_s == 1.5 and s.mode == "shadow"
+    assert s.collectors.engine_urls == ["http://127.0.0.1:8000"] and s.collectors.scrape_interval_s == 1.5
+    assert s.serve.mode == "shadow"
 
 
 def test_a_misspelled_keyword_in_code_is_an_error_too() -> None:

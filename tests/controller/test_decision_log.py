@@ -8,6 +8,7 @@ import random
 import types
 from collections import deque
 
+from kvtier.controller.actuators.base import Outcome
 from kvtier.controller.decisions import Decision, DecisionLog, score
 
 ACTIONS = ("promote", "demote", "evict", "admit", "prefetch", "pin")
@@ -105,7 +106,7 @@ def test_ring_returns_what_went_in_newest_first_filtered_like_a_list() -> None:
     every: list[Decision] = []
     for i in range(1, 300):
         d = mk(i, float(i), rng)
-        d.outcome = rng.choice(["shadow", "applied", "failed", "skipped"])
+        d.outcome = Outcome(rng.choice(["shadow", "applied", "failed", "skipped"]))
         d.detail = rng.choice(["", "no outcome for key", f"HTTP {i}"])
         d.src = rng.choice([None, "disk", "cpu"])
         d.pinned = rng.random() < 0.2

@@ -45,7 +45,7 @@ class Server:
         self.server: uvicorn.Server | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
-        self.protocol = deadline_protocol(self.settings.http_request_deadline_s)
+        self.protocol = deadline_protocol(self.settings.serve.http_request_deadline_s)
 
     @property
     def url(self) -> str:
@@ -98,13 +98,13 @@ def raw(port: int, head: str, body: bytes = b"") -> tuple[int, bytes]:
 def test_non_loopback_listen_needs_a_token_and_tokens_must_be_real() -> None:
     with pytest.raises(ValueError, match="no API token"):
         load_settings(listen="0.0.0.0:8787")
-    assert load_settings(listen="0.0.0.0:8787", api_token="t").api_token == "t"
-    assert load_settings(listen="0.0.0.0:8787", insecure_no_auth=True).insecure_no_auth
+    assert load_settings(listen="0.0.0.0:8787", api_token="t").serve.api_token == "t"
+    assert load_settings(listen="0.0.0.0:8787", insecure_no_auth=True).serve.insecure_no_auth
     for bad in ("", "   ", " tok"):
         with pytest.raises(ValueError, match="api_token"):
             load_settings(api_token=bad)
-    assert load_settings(mode="active").allow_active  # started active = allowed
-    assert not load_settings().allow_active
+    assert load_settings(mode="active").serve.allow_active  # started active = allowed
+    assert not load_settings().serve.allow_active
 
 
 def test_serve_refuses_wildcard_listen_without_token_with_one_line(tmp_path: Path) -> None:

@@ -399,7 +399,8 @@ def test_outcomes_keyed_by_layer_keys_are_attributed_per_ref_and_routing_respect
     not routed to a cpu/disk layer, and admits only to an adapter that can re-create blocks."""
 
     class Chunky(Recorder):
-        name = "lmcache-mp"  # LAYER_TIERS: cpu, disk
+        name = "lmcache-mp"
+        tiers = frozenset({Tier.CPU, Tier.DISK})
 
         def _do(self, action: str, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
             self.calls.append((action, [b.layer_key for b in blocks], to.value))
@@ -447,6 +448,7 @@ def test_emulated_layer_pins_are_refreshed_each_active_tick_and_unpinned_when_th
     class PinLayer(Recorder):
         name = "lmcache-mp"
         token_addressed = True  # the loop calls it ref by ref
+        refreshes_pins = True
 
         def __init__(self) -> None:
             super().__init__()
@@ -522,6 +524,7 @@ def test_active_mode_without_a_recreating_actuator_spends_the_budget_on_feasible
 
     class Layer(Recorder):
         name = "lmcache-mp"
+        tiers = frozenset({Tier.CPU, Tier.DISK})
 
         def capabilities(self) -> frozenset[Capability]:
             return frozenset({Capability.PROMOTE})

@@ -24,16 +24,17 @@ METRICS_MD = Path(__file__).resolve().parents[2] / "dashboards" / "METRICS.md"
 def _sidecar(tmp_path: Path) -> ControlledSidecar:
     down = "http://127.0.0.1:9"
     return ControlledSidecar(
-        Settings(
-            engine_urls=[down],
-            engine_model="tiny",
-            lmcache_urls=[down],
-            mooncake_urls=[down],
-            state_dir=str(tmp_path),
-            policy="learned",
-            actuators=["lmcache-l1"],  # the L1 keeper's guard families
-            actuator_options={"lmcache-l1": {"model_name": "tiny"}},
-        )  # fmt: skip
+        Settings.model_validate(
+            dict(
+                engine_urls=[down],
+                engine_model="tiny",
+                lmcache_urls=[down],
+                mooncake_urls=[down],
+                state_dir=str(tmp_path),
+                policy="learned",
+                actuators=[{"kind": "lmcache-l1", "model_name": "tiny"}],  # the L1 keeper's guard families
+            )
+        )
     )
 
 

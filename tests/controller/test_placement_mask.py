@@ -109,3 +109,21 @@ def test_a_window_remembers_a_bounded_number_of_requested_blocks() -> None:
         pl.observe()
     assert sorted(pl.touched) == [0, 1, 2, 3, 4]  # block 5 found the window full
     assert pl.touched_dropped == 1 and pl.info()["touched_dropped"] == 1
+
+
+def test_learned_placement_restarts_empty_past_its_per_block_bound() -> None:
+    """The policy object's per-block state is bounded: once it has seen more blocks than ``max_slots`` it
+    restarts empty (counted); within the bound it keeps its state."""
+    pl = PolicyPlacement("learned", 8, seed=1)
+    pl.max_slots = 40
+    t = 1_000_000.0
+    for k in range(4):  # 4 requests x 8 new blocks = 32 blocks seen: within the bound
+        pl.requests.submit(
+            Request(t, 8 * 16, 0, np.arange(k * 8, k * 8 + 8, dtype=np.int64), block_tokens=16)
+        )
+        t += 100.0
+        pl.feed(None)
+    assert pl.restarts == 0 and pl.policy.blocks_seen == 32  # type: ignore[attr-defined]
+    pl.requests.submit(Request(t, 16 * 16, 0, np.arange(100, 116, dtype=np.int64), block_tokens=16))
+    pl.feed(None)  # 48 blocks seen > 40
+    assert pl.restarts == 1 and pl.policy.blocks_seen == 0  # type: ignore[attr-defined]

@@ -2,9 +2,9 @@
 makes the same CPU-tier admissions and evictions as ``replay`` of that trace with the same policy and seed.
 
 The KV events are encoded as vLLM 0.33 publishes them (msgpack, map-tagged) and go through the real
-decoder, the real ingestor (``ControlIngestor``) and the real control plane; the engine is an emulated
-prefix cache with ``kv_cache_report_mode: full`` (hits re-announced), since a real vLLM cannot replay a
-trace's hashes (vLLM itself is covered by test_vllm_warmup_e2e.py)."""
+decoder, the real ingestor (``KvIngestor`` with the ``ControlSink``) and the real control plane; the engine is
+an emulated prefix cache with ``kv_cache_report_mode: full`` (hits re-announced), since a real vLLM cannot
+replay a trace's hashes (vLLM itself is covered by test_vllm_warmup_e2e.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
+from kvtier.collectors.kv_ingest import KvIngestor
 from kvtier.collectors.vllm_events import BlockStored, decode_frames
-from kvtier.controller.control_sidecar import ControlIngestor
+from kvtier.controller.control_sidecar import ControlSink
 from kvtier.controller.policy_doc import BudgetLimits, PolicyDoc, PredictorSettings, TierConfig
 from kvtier.controller.runtime import ControlPlane, build_control_plane, create_control_app
 from kvtier.policies.base import Request
@@ -110,7 +111,7 @@ def replay_decisions(name: str, cap: int, reqs: list[Request], seed: int) -> lis
 
 def live_plane(
     tmp: Path, name: str, cap: int, seed: int, t0: float
-) -> tuple[ControlPlane, ControlIngestor, Clock, CollectorRegistry]:
+) -> tuple[ControlPlane, KvIngestor, Clock, CollectorRegistry]:
     clock = Clock(t0)
     doc = PolicyDoc(
         mode="shadow",
@@ -123,16 +124,16 @@ def live_plane(
         block_size_tokens=BS,
         predictor=PredictorSettings(seed=seed),
     )
-    ing = ControlIngestor()
+    ing = KvIngestor()
     reg = CollectorRegistry()
     plane = build_control_plane(ing.index, registry=reg, state_dir=tmp, clock=clock, policy=doc,
                                 placement_policy=name)  # fmt: skip
-    ing.plane = plane
+    ing.sinks.append(ControlSink(plane))
     return plane, ing, clock, reg
 
 
 def live_decisions(
-    plane: ControlPlane, ing: ControlIngestor, clock: Clock, chains: list[tuple[float, list[int]]]
+    plane: ControlPlane, ing: KvIngestor, clock: Clock, chains: list[tuple[float, list[int]]]
 ) -> list[tuple[set[int], set[int]]]:
     """Per request: (CPU admissions, CPU evictions) the loop planned in the tick after its KV events."""
     eng = Engine()

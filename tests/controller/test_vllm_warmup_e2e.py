@@ -165,15 +165,17 @@ def test_serve_path_pin_warm_then_index_confirms_and_loop_goes_quiet(
     from kvtier.controller.control_sidecar import ControlledSidecar, create_controlled_app
     from kvtier.controller.settings import Settings
 
-    settings = Settings(
-        engine_urls=[vllm.url],
-        actuators=["vllm-warmup"],
-        mode="active",
-        state_dir=str(tmp_path),
-        api_token=TOKEN,
-        storage_enabled=False,
-        scrape_interval_s=0.5,
-        discovery_interval_s=0.5,
+    settings = Settings.model_validate(
+        dict(
+            engine_urls=[vllm.url],
+            actuators=["vllm-warmup"],
+            mode="active",
+            state_dir=str(tmp_path),
+            api_token=TOKEN,
+            storage_enabled=False,
+            scrape_interval_s=0.5,
+            discovery_interval_s=0.5,
+        )
     )
     sc = ControlledSidecar(settings)
     sc.plane.loop.policy = sc.plane.loop.policy.model_copy(update={"tick_interval_s": 0.2})

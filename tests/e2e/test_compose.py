@@ -22,7 +22,7 @@ from typer.core import TyperGroup
 
 from kvtier.controller import demo as demo_cli
 from kvtier.controller import serve as serve_cli
-from kvtier.controller.settings import Settings, load_settings
+from kvtier.controller.settings import FLAT_ENV, Settings, load_settings
 from tests.peers.procs import free_port, start, stop, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -200,7 +200,8 @@ def kvtier_env(svc: dict[str, Any]) -> dict[str, str]:
 
 def test_every_kvtier_env_var_loads_into_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each ``KVTIER_*`` value of each kvtier service (and the image's ``ENV``) is a real Settings field and
-    parses; ``Settings`` ignores unknown keys, so a misspelt name would otherwise pass silently."""
+    parses; the environment source ignores unknown ``KVTIER_*`` names, so a misspelt one would otherwise pass
+    silently."""
     image_env, _ = dockerfile()
     cases = {"Dockerfile": image_env} | {n: image_env | kvtier_env(s) for n, s in kvtier_services().items()}
     assert cases["kvtier"], "the kvtier service sets no KVTIER_* variable?"
@@ -208,12 +209,12 @@ def test_every_kvtier_env_var_loads_into_settings(monkeypatch: pytest.MonkeyPatc
         for k in [k for k in os.environ if k.startswith("KVTIER_")]:
             monkeypatch.delenv(k)
         for k, v in env.items():
-            assert k.removeprefix("KVTIER_").lower() in Settings.model_fields, f"{where}: {k} is no setting"
+            assert k.removeprefix("KVTIER_").lower() in FLAT_ENV, f"{where}: {k} is no setting"
             monkeypatch.setenv(k, v)
         s = load_settings()
-        assert s.state_dir == "/var/lib/kvtier", where
+        assert s.serve.state_dir == "/var/lib/kvtier", where
         if where == "kvtier":
-            assert s.tier_paths == {"disk": "/mnt/kv-l2"}
+            assert s.collectors.tier_paths == {"disk": "/mnt/kv-l2"}
 
 
 def test_kvtier_commands_parse_with_the_real_cli() -> None:
@@ -232,10 +233,20 @@ def test_kvtier_commands_parse_with_the_real_cli() -> None:
     serve = kvtier_services()["kvtier"]["command"]
     params = group.commands["serve"].make_context("serve", serve[1:]).params
     token = kvtier_env(kvtier_services()["kvtier"])["KVTIER_API_TOKEN"]  # 0.0.0.0 needs one (from .env)
-    s = Settings(mode=params["mode"], actuators=params["actuator"], engine_urls=params["engine_url"],
-                 lmcache_urls=params["lmcache_url"], listen=params["listen"], api_token=token)  # fmt: skip
-    assert s.mode == "shadow" and s.actuators == ["lmcache-mp"]
-    assert s.engine_urls == ["http://vllm:8000"] and s.lmcache_urls == ["http://lmcache:8080"]
+    s = Settings.model_validate(
+        dict(
+            mode=params["mode"],
+            actuators=params["actuator"],
+            engine_urls=params["engine_url"],
+            lmcache_urls=params["lmcache_url"],
+            listen=params["listen"],
+            api_token=token,
+        )
+    )
+    assert s.serve.mode == "shadow" and [a.kind for a in s.actuators] == ["lmcache-mp"]
+    assert s.collectors.engine_urls == ["http://vllm:8000"] and s.collectors.lmcache_urls == [
+        "http://lmcache:8080"
+    ]
 
 
 def test_compose_kvtier_serve_starts() -> None:

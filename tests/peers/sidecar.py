@@ -23,7 +23,9 @@ class SidecarThread:
 
     def __init__(self, settings: Settings) -> None:
         self.port = free_port()
-        self.settings = settings.model_copy(update={"listen": f"127.0.0.1:{self.port}"})
+        self.settings = settings.model_copy(
+            update={"serve": settings.serve.model_copy(update={"listen": f"127.0.0.1:{self.port}"})}
+        )
         self.sidecar: Sidecar | None = None
         self._server: uvicorn.Server | None = None
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvtier-sidecar")
