@@ -9,12 +9,13 @@ One command (peers from ``scripts/setup-peers.sh``)::
 What it does, in one session on one fresh stack (``bench.live_ab.ManagedStack``: LMCache MP L1 0.028 GiB
 LRU + fs L2, vLLM CPU with a 96-block prefix cache and LMCacheMPConnector, no sidecar):
 
-1. **Probe** (measures this machine, now): prompts of 1-15 chunks of tokens the workload never uses, each
-   sent three ways: cold (a miss: prefill of every token), again after ``POST /reset_prefix_cache`` (a full
-   LMCache L1 hit) and again after also clearing L1 (an L2 hit). Robust line fits (:func:`theil_sen`)
-   give the fixed cost per request and the prefill cost per token (cold), the L1 -> engine load time and
-   the L2 -> L1 load time (latency + bytes / bandwidth) from the hits. Then the prefix cache is reset and
-   L1 cleared again (L2 keeps the probe's chunks, which no workload prompt asks for).
+1. **Probe** (measures this machine, now): prompts of 1-15 chunks of tokens the workload never uses, all
+   sent back to back three times: cold (misses: prefill of every token), again after ``POST
+   /reset_prefix_cache`` (full LMCache L1 hits) and again after also clearing L1 (L2 hits). Robust line
+   fits (:func:`theil_sen`) give the fixed cost per request and the prefill cost per token (cold), the L1 ->
+   engine load time and the L2 -> L1 load time (latency + bytes / bandwidth) from the hits. Then the
+   prefix cache is reset and L1 cleared again (L2 keeps the probe's chunks, which no workload prompt asks
+   for).
 2. **Workload**: the first ``--requests`` of the bundled trace with ``kvtier bench``'s prompt construction
    (:func:`kvtier.replay.live_bench.build_requests`: each hash id a fixed 64-token chunk, at most 15 chunks,
    2 output tokens), sent one at a time; hit tokens from vLLM's and LMCache's own counters, client TTFT.
@@ -95,15 +96,15 @@ def sim_requests(
 # the probe
 
 
-def _send(target: Target, prompt: list[int]) -> float:
+def _send(target: Target, prompts: Sequence[list[int]]) -> list[float]:
+    """Send ``prompts`` back to back, one in flight (the workload's pacing) -> their TTFTs (s)."""
     import asyncio
 
-    ttfts, failed, _ = asyncio.run(
-        send_all(target.engine_url, target.model, [BenchRequest(0.0, prompt, 2)], concurrency=1)
-    )
-    if failed or not ttfts:
-        raise RuntimeError("probe request failed")
-    return ttfts[0]
+    reqs = [BenchRequest(0.0, p, 2) for p in prompts]
+    ttfts, failed, _ = asyncio.run(send_all(target.engine_url, target.model, reqs, concurrency=1))
+    if failed:
+        raise RuntimeError(f"{failed} probe requests failed")
+    return ttfts
 
 
 def reset_caches(target: Target) -> None:
@@ -123,23 +124,23 @@ def reset_caches(target: Target) -> None:
 
 
 def probe(target: Target, *, chunks: Sequence[int] = PROBE_CHUNKS, reps: int = 6) -> dict[str, Any]:
-    """TTFT (s) of cold / L1-hit / L2-hit sends per prompt length; see the module doc."""
-    rows: list[dict[str, float]] = []
-    for i in range(2):  # warm-up: the first requests of a fresh engine are slow
-        _send(target, chunk_tokens(10**9 + i, CHUNK, vocab=VOCAB, seed=PROBE_SEED))
-    for rep in range(reps):
-        for n in chunks:
-            base = 10**10 + rep * 1000 + n * 20
-            prompt = [
-                t for k in range(n) for t in chunk_tokens(base + k, CHUNK, vocab=VOCAB, seed=PROBE_SEED)
-            ]
-            cold = _send(target, prompt)
-            httpx.post(target.engine_url + "/reset_prefix_cache", timeout=30).raise_for_status()
-            l1 = _send(target, prompt)
-            reset_caches(target)
-            l2 = _send(target, prompt)
-            rows.append({"chunks": n, "tokens": n * CHUNK, "cold_s": cold, "l1_s": l1, "l2_s": l2})
+    """TTFT (s) of cold / L1-hit / L2-hit sends per prompt length; see the module doc. Each phase sends
+    all prompts back to back as the workload does, so a request's cost includes the previous one's
+    write-through still running, as it does in the workload."""
+    _send(target, [chunk_tokens(10**9 + i, CHUNK, vocab=VOCAB, seed=PROBE_SEED) for i in range(2)])  # warm-up
+    sizes = [n for _ in range(reps) for n in chunks]
+    prompts = [
+        [t for k in range(n) for t in chunk_tokens(10**10 + i * 100 + k, CHUNK, vocab=VOCAB, seed=PROBE_SEED)]
+        for i, n in enumerate(sizes)
+    ]  # reps x sum(chunks) chunks: they all fit below L1's eviction watermark
+    cold = _send(target, prompts)
+    httpx.post(target.engine_url + "/reset_prefix_cache", timeout=30).raise_for_status()
+    l1 = _send(target, prompts)
     reset_caches(target)
+    l2 = _send(target, prompts)
+    reset_caches(target)
+    rows = [{"chunks": n, "tokens": n * CHUNK, "cold_s": c, "l1_s": x, "l2_s": y}
+            for n, c, x, y in zip(sizes, cold, l1, l2, strict=True)]  # fmt: skip
     return {"rows": rows, **fit_probe(rows)}
 
 
