@@ -7,6 +7,10 @@
   ``disk_admission="frequency2"`` writes a block to L2 only from its second access on (Dynamo KVBM).
 - Every transfer reserves its link (``src->dst``: FIFO, ``latency + bytes / bandwidth``), so prefetches
   compete with demand loads; a block moved ahead of use is usable only when its transfer ends.
+- :class:`LayerBehaviour` switches on details of LMCache MP 0.5.6 read from its source and checked against
+  the real stack (docs/perf/calibration.md): the whole prompt's L1 chunks touched at the request's end,
+  a chain's tail least recent, L2 hits loaded only temporarily into L1, and L1 eviction by a periodic
+  watermark loop (a store that does not fit is dropped, from L1 and from the write-through to L2).
 - Residency changes are reported to an optional :class:`ResidencyObserver` the way the real layer's
   events report them (stored / removed per tier), which is what a sidecar's block index consumes.
 
@@ -21,6 +25,29 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtier.policies.tiers import Tier, TierHardware
+
+
+@dataclass(frozen=True)
+class LayerBehaviour:
+    """Details of the real layer's default policy; the defaults are the simulator's original model.
+
+    - ``touch_whole_prompt``: at a request's end every chunk of its prompt held in L1 becomes recent, HBM hits
+      included (LMCache MP ``end_session`` touches all of the session's keys); otherwise only L1 hits are.
+    - ``tail_first``: within a request's chain the tail is the least recent (LMCache's LRU adds and touches
+      keys in reverse order; vLLM frees a request's blocks tail first), in HBM and L1.
+    - ``retain_l2_hits``: an L2 hit loaded through L1 stays in L1 (LMCache's default prefetch policy loads
+      it as a temporary object: False).
+    - ``l1_watermark`` (fraction of capacity, None = evict on insert): L1 is trimmed by a loop every
+      ``l1_eviction_interval_s`` seconds that, when ``len >= l1_watermark x capacity``, evicts
+      ``int(len x l1_eviction_ratio)`` least recent blocks; a store whose blocks do not fit is dropped.
+    """
+
+    touch_whole_prompt: bool = False
+    tail_first: bool = False
+    retain_l2_hits: bool = True
+    l1_watermark: float | None = None
+    l1_eviction_ratio: float = 0.2
+    l1_eviction_interval_s: float = 1.0
 
 
 class ResidencyObserver(Protocol):
@@ -84,8 +111,11 @@ class CacheLayer:
         offload: bool = True,
         disk_admission: str = "all",
         observer: ResidencyObserver | None = None,
+        behaviour: LayerBehaviour | None = None,
     ) -> None:
         self.block_bytes = block_bytes
+        self.bh = behaviour or LayerBehaviour()
+        self._next_trim = self.bh.l1_eviction_interval_s  # s, the L1 watermark loop's next run
         self.hw = list(tiers if offload else tiers[:1])
         self.t: dict[Tier, _Tier] = {h.tier: _Tier(h) for h in self.hw}
         self.order = [h.tier for h in self.hw]
@@ -101,8 +131,13 @@ class CacheLayer:
                                                              h.latency_s)  # fmt: skip
         self.freq: Counter[int] = Counter()
         self.hit_tokens: Counter[str] = Counter()  # tier -> prompt tokens served from it
+        # tier -> prompt tokens the layer's own lookup found there: LMCache MP looks up the whole prompt
+        # (from token 0, HBM hits included) and counts each chunk of the found prefix in the first of its
+        # tiers holding it (lmcache_mp_lookup_hit_l{1,2}_tokens)
+        self.layer_lookup_tokens: Counter[str] = Counter()
         self.lookup_tokens = 0
         self.evictions: Counter[str] = Counter()
+        self.store_failures = 0  # blocks a full L1 refused (watermark model)
         self.now = 0.0
 
     # -- residency -------------------------------------------------------------------------------------
@@ -124,11 +159,39 @@ class CacheLayer:
         st.lru[b] = ready_at
         if self.observer is not None:
             self.observer.stored(b, parent, tier, self.now)
-        while len(st.lru) > st.hw.capacity_blocks:
+        while len(st.lru) > st.hw.capacity_blocks and not self._watermarked(tier):
             old, _ = st.lru.popitem(last=False)
             self.evictions[tier.value] += 1
             if self.observer is not None:
                 self.observer.removed(old, tier)
+
+    def _watermarked(self, tier: Tier) -> bool:
+        return self.bh.l1_watermark is not None and bool(self.lower) and tier is self.lower[0]
+
+    def _trim(self) -> None:
+        """Run the L1 eviction loop for every period that ended by ``now`` (the state between two layer
+        operations does not change, so running the missed periods now is exact)."""
+        if self.bh.l1_watermark is None or not self.lower:
+            return
+        st = self.t[self.lower[0]]
+        iv = self.bh.l1_eviction_interval_s
+        while self._next_trim <= self.now:
+            if len(st.lru) < self.bh.l1_watermark * st.hw.capacity_blocks:  # nothing changes until now
+                self._next_trim += ((self.now - self._next_trim) // iv + 1) * iv
+                break
+            self._next_trim += iv
+            for _ in range(int(len(st.lru) * self.bh.l1_eviction_ratio)):
+                old, _ = st.lru.popitem(last=False)
+                self.evictions[st.hw.tier.value] += 1
+                if self.observer is not None:
+                    self.observer.removed(old, st.hw.tier)
+
+    def _recent(self, tier: Tier, chain: Sequence[int]) -> None:
+        """Make the chain's blocks held in ``tier`` the most recent, its head last (tail first out)."""
+        lru = self.t[tier].lru
+        for b in reversed(chain):
+            if b in lru:
+                lru.move_to_end(b)
 
     def _drop(self, tier: Tier, b: int) -> bool:
         st = self.t.get(tier)
@@ -153,6 +216,7 @@ class CacheLayer:
     def lookup(self, chain: Sequence[int], input_tokens: int, block_tokens: int) -> Lookup:
         """Find the request's cached prefix and load it into HBM (demand loads reserve the links)."""
         now = self.now
+        self._trim()
         if self.observer is not None:
             self.observer.accessed(chain, now)
         for b in chain:
@@ -165,6 +229,11 @@ class CacheLayer:
             tiers.append(t)
         n = len(tiers)
         tiers.extend([None] * (len(chain) - n))
+        for k, b in enumerate(chain):
+            lt = next((t for t in self.lower if b in self.t[t].lru), None)
+            if lt is None:
+                break
+            self.layer_lookup_tokens[lt.value] += min(block_tokens, max(0, input_tokens - k * block_tokens))
         by_tier: Counter[Tier] = Counter(t for t in tiers if t is not None)
         ready = now
         gpu = self.t[Tier.GPU]
@@ -183,8 +252,9 @@ class CacheLayer:
         end = ready
         for t, bl in from_below.items():  # L2 -> L1 (kept in L1), then with the L1 hits -> HBM
             e = self._copy(t, Tier.CPU, bl, ready)
-            for b in bl:
-                self._put(Tier.CPU, b, None, e)
+            if self.bh.retain_l2_hits:
+                for b in bl:
+                    self._put(Tier.CPU, b, None, e)
             end = max(end, self._copy(Tier.CPU, Tier.GPU, bl, e))
         end = max(end, self._copy(Tier.CPU, Tier.GPU, from_cpu, ready))
         parent: int | None = None
@@ -201,18 +271,34 @@ class CacheLayer:
 
     def store(self, chain: Sequence[int], hit_blocks: int) -> None:
         """The prompt's computed blocks land in HBM and, with offload, are written through below."""
+        self._trim()
         parent = chain[hit_blocks - 1] if hit_blocks else None
         new = list(chain[hit_blocks:])
         p = parent
         for b in new:
             self._put(Tier.GPU, b, p, self.now)
             p = b
-        if not self.lower or not new:
+        if self.bh.tail_first:
+            self._recent(Tier.GPU, chain)
+        if not self.lower:
             return
         l1 = self.lower[0]
-        e = self._copy(Tier.GPU, l1, new)
-        for b in new:
-            self._put(l1, b, None, e)
+        if new and self._watermarked(l1):
+            st = self.t[l1]
+            fresh = [b for b in new if b not in st.lru]
+            if len(st.lru) + len(fresh) > st.hw.capacity_blocks:  # allocation fails for the whole store
+                self.store_failures += len(fresh)
+                new = [b for b in new if b in st.lru]
+        if new:
+            e = self._copy(Tier.GPU, l1, new)
+            for b in new:
+                self._put(l1, b, None, e)
+        if self.bh.touch_whole_prompt:
+            self._recent(l1, chain)
+        elif self.bh.tail_first:
+            self._recent(l1, new)
+        if not new:
+            return
         for t in self.lower[1:]:
             keep = [b for b in new if b not in self.t[t].lru and
                     (self.disk_admission == "all" or self.freq[b] >= 2)]  # fmt: skip

@@ -31,7 +31,7 @@ def load_requests(sc: Scenario, *, max_requests: int | None = None, trace: str =
 
 def make_layer(sc: Scenario, *, offload: bool, observer: ResidencyObserver | None = None) -> CacheLayer:
     return CacheLayer(sc.tiers, sc.block_bytes, offload=offload, disk_admission=sc.disk_admission,
-                      observer=observer)  # fmt: skip
+                      observer=observer, behaviour=sc.layer)  # fmt: skip
 
 
 def run_arm(
@@ -58,6 +58,7 @@ def arm_report(layer: CacheLayer, res: ServingResult, batches: int = 10) -> dict
         engine_steps=res.steps,
         simulated_s=res.end_s,
         hit_tokens_by_tier={t.value: layer.hit_tokens.get(t.value, 0) for t in layer.order},
+        layer_lookup_tokens_by_tier={t.value: layer.layer_lookup_tokens.get(t.value, 0) for t in layer.lower},
         hit_ratio=sum(layer.hit_tokens.values()) / tok,
         bytes_by_link=layer.bytes_by_link(),
         link_busy_s={k: round(v.busy_s, 3) for k, v in sorted(layer.links.items())},

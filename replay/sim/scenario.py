@@ -7,6 +7,11 @@ Costs (seconds), from the roofline of the accelerator the YAML names (sources ci
   ``b = 4 * layers * attn_dim / flops`` (QK^T and AV over the ``p`` earlier tokens), ``flops`` = peak x MFU;
 - one engine step: ``max(compute, memory) + step_overhead_s``: compute = prefill chunk cost + decode tokens x
   ``a``; memory = (weight bytes + KV bytes of every running sequence's context) / (HBM bandwidth x MBU).
+
+A machine whose costs were measured rather than derived (``cpu-tiny``) gives
+``accelerator.prefill_s_per_token`` (``a``) and ``prefill_s_per_token_per_position`` (``b``) instead of
+``peak_flops`` / ``mfu``. The optional
+``layer`` mapping sets :class:`~kvtier.replay.sim.layer.LayerBehaviour` (the real layer's own details).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.policies.tiers import Tier, TierHardware, normalize_tier
+from kvtier.replay.sim.layer import LayerBehaviour
 
 GIB = 1 << 30
 
@@ -64,6 +70,7 @@ class Scenario:
     disk_admission: str = "all"  # "all" (LMCache write-through) or "frequency2" (Dynamo KVBM's filter)
     tick_interval_s: float = 2.0  # the sidecar's tick, simulated seconds
     description: str = ""
+    layer: LayerBehaviour = field(default_factory=LayerBehaviour)
 
     @property
     def block_bytes(self) -> int:
@@ -92,13 +99,16 @@ def _num(d: Mapping[str, Any], key: str, where: str, default: float | None = Non
 
 _KNOWN = {
     "top": {"name", "description", "model", "accelerator", "block_tokens", "tiers", "serving", "trace",
-            "disk_admission", "tick_interval_s"},
+            "disk_admission", "tick_interval_s", "layer"},
     "model": {"name", "layers", "kv_heads", "head_dim", "kv_dtype_bytes", "active_params", "attn_dim",
               "weight_bytes"},
-    "accelerator": {"name", "count", "peak_flops", "mfu", "hbm_bytes_s", "mbu", "step_overhead_s"},
+    "accelerator": {"name", "count", "peak_flops", "mfu", "hbm_bytes_s", "mbu", "step_overhead_s",
+                    "prefill_s_per_token", "prefill_s_per_token_per_position"},
     "tier": {"name", "capacity_gib", "capacity_blocks", "read_gbps", "write_gbps", "latency_us"},
     "serving": {"concurrency", "token_budget", "time_scale", "closed_loop"},
     "trace": {"max_requests", "min_input_tokens"},
+    "layer": {"touch_whole_prompt", "tail_first", "retain_l2_hits", "l1_watermark", "l1_eviction_ratio",
+              "l1_eviction_interval_s"},
 }  # fmt: skip
 
 
@@ -122,17 +132,26 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
     layers = int(_num(m, "layers", w))
     kvb = int(layers * _num(m, "kv_heads", w) * _num(m, "head_dim", w) * 2 * _num(m, "kv_dtype_bytes", w, 2))
     count = _num(acc, "count", f"{source}: accelerator", 1)
-    flops = _num(acc, "peak_flops", f"{source}: accelerator") * _num(acc, "mfu", f"{source}: accelerator")
-    flops *= count
+    if "prefill_s_per_token" in acc:  # measured: no roofline needed
+        flops = 1.0
+    else:
+        flops = _num(acc, "peak_flops", f"{source}: accelerator") * _num(acc, "mfu", f"{source}: accelerator")
+        flops *= count
     mem = _num(acc, "hbm_bytes_s", f"{source}: accelerator") * _num(acc, "mbu", f"{source}: accelerator")
     mem *= count
     if flops <= 0 or mem <= 0 or kvb <= 0:
         raise ValueError(f"{source}: peak_flops x mfu, hbm_bytes_s x mbu and KV bytes per token must be > 0")
+    wa = f"{source}: accelerator"
+    measured = "prefill_s_per_token" in acc  # a measured per-token cost instead of the FLOPs roofline
     compute = ComputeModel(
         name=str(m.get("name", "model")),
         kv_bytes_per_token=kvb,
-        prefill_a_s=2 * _num(m, "active_params", w) / flops,
-        prefill_b_s=4 * layers * _num(m, "attn_dim", w) / flops,
+        prefill_a_s=_num(acc, "prefill_s_per_token", wa)
+        if measured
+        else 2 * _num(m, "active_params", w) / flops,
+        prefill_b_s=_num(acc, "prefill_s_per_token_per_position", wa, 0)
+        if measured
+        else 4 * layers * _num(m, "attn_dim", w) / flops,
         weight_bytes=_num(m, "weight_bytes", w),
         mem_bytes_s=mem,
         step_overhead_s=_num(acc, "step_overhead_s", f"{source}: accelerator", 0.002),
@@ -185,6 +204,23 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
     adm = str(data.get("disk_admission", "all"))
     if adm not in ("all", "frequency2"):
         raise ValueError(f"{source}: disk_admission must be 'all' or 'frequency2', got {adm!r}")
+    ly = data.get("layer") or {}
+    if not isinstance(ly, Mapping):
+        raise ValueError(f"{source}: 'layer' must be a mapping")
+    _check_keys(ly, "layer", f"{source}: layer")
+    wm = ly.get("l1_watermark")
+    behaviour = LayerBehaviour(
+        touch_whole_prompt=bool(ly.get("touch_whole_prompt", False)),
+        tail_first=bool(ly.get("tail_first", False)),
+        retain_l2_hits=bool(ly.get("retain_l2_hits", True)),
+        l1_watermark=None if wm is None else _num(ly, "l1_watermark", f"{source}: layer"),
+        l1_eviction_ratio=_num(ly, "l1_eviction_ratio", f"{source}: layer", 0.2),
+        l1_eviction_interval_s=_num(ly, "l1_eviction_interval_s", f"{source}: layer", 1.0),
+    )
+    if behaviour.l1_watermark is not None and not 0 < behaviour.l1_watermark <= 1:
+        raise ValueError(f"{source}: layer.l1_watermark must be in (0, 1]")
+    if behaviour.l1_eviction_interval_s <= 0 or behaviour.l1_eviction_ratio > 1:
+        raise ValueError(f"{source}: layer needs l1_eviction_interval_s > 0 and l1_eviction_ratio <= 1")
     return Scenario(
         name=str(data.get("name", Path(source).stem)),
         compute=compute,
@@ -196,6 +232,7 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
         disk_admission=adm,
         tick_interval_s=_num(data, "tick_interval_s", source, 2.0),
         description=str(data.get("description", "")),
+        layer=behaviour,
     )
 
 

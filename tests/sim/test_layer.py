@@ -13,7 +13,7 @@ from kvtier.controller.loop import block_key_hex
 from kvtier.policies.index import BlockIndex
 from kvtier.policies.tiers import Tier, TierHardware
 from kvtier.replay.sim.actuator import MemoryActuator
-from kvtier.replay.sim.layer import CacheLayer
+from kvtier.replay.sim.layer import CacheLayer, LayerBehaviour
 from kvtier.replay.sim.report import IndexReporter
 
 BB = 1000  # bytes per block
@@ -109,3 +109,60 @@ def test_memory_actuator_applies_moves_and_reports_them_to_the_index() -> None:
     # the index agrees with the layer, tier by tier
     for t in (Tier.GPU, Tier.CPU, Tier.DISK):
         assert idx.count_by_tier()[t] == layer.resident(t)
+
+
+# -- LMCache MP 0.5.6's own details (LayerBehaviour; docs/perf/calibration.md) ------------------------------
+
+
+def test_layer_lookup_counts_the_whole_prompt_as_lmcache_does() -> None:
+    layer = CacheLayer(_tiers(gpu=4, cpu=4, disk=8), BB)
+    _serve(layer, [1, 2])
+    look = layer.lookup([1, 2, 3], 30, 10)  # HBM has 1 and 2; LMCache is asked from token 0 all the same
+    assert look.tiers == [Tier.GPU, Tier.GPU, None]
+    assert layer.layer_lookup_tokens == {"cpu": 20}
+    assert layer.hit_tokens == {"gpu": 20}
+
+
+def test_touch_whole_prompt_keeps_chunks_hbm_served_in_l1() -> None:
+    def run(touch: bool) -> bool:
+        layer = CacheLayer(_tiers(gpu=4, cpu=4), BB, behaviour=LayerBehaviour(touch_whole_prompt=touch))
+        _serve(layer, [1, 2])
+        _serve(layer, [3, 4])
+        _serve(layer, [1, 2])  # all from HBM; with the touch, 1 and 2 become L1's most recent
+        _serve(layer, [5, 6])  # L1 full: evicts its two least recent
+        return 1 in layer.t[Tier.CPU]
+
+    assert run(True) and not run(False)
+
+
+def test_l2_hits_are_not_retained_in_l1_when_the_layer_loads_them_temporarily() -> None:
+    layer = CacheLayer(_tiers(gpu=1, cpu=2, disk=8), BB, behaviour=LayerBehaviour(retain_l2_hits=False))
+    _serve(layer, [1])
+    _serve(layer, [2, 3])  # 1 leaves L1 (LRU), stays in L2
+    assert layer.where(1) is Tier.DISK
+    before = layer.bytes_by_link()["disk->cpu"]
+    assert _serve(layer, [1]) == [Tier.DISK]
+    assert layer.bytes_by_link()["disk->cpu"] - before == BB  # loaded through L1 ...
+    assert 1 not in layer.t[Tier.CPU]  # ... but not kept there
+
+
+def test_tail_first_evicts_a_chains_tail_before_its_head() -> None:
+    layer = CacheLayer(_tiers(gpu=3, cpu=8), BB, behaviour=LayerBehaviour(tail_first=True))
+    _serve(layer, [1, 2, 3])
+    _serve(layer, [4])  # HBM holds 3: the tail (3) goes, the head stays
+    assert layer.where(1) is Tier.GPU and layer.where(3) is Tier.CPU
+
+
+def test_watermark_loop_trims_l1_periodically_and_a_full_l1_refuses_a_store() -> None:
+    bh = LayerBehaviour(l1_watermark=0.8, l1_eviction_ratio=0.2, l1_eviction_interval_s=1.0)
+    layer = CacheLayer(_tiers(gpu=1, cpu=10, disk=100), BB, behaviour=bh)
+    _serve(layer, list(range(1, 9)))  # 8 of 10: at the watermark, but the loop has not run yet
+    assert layer.resident(Tier.CPU) == 8
+    layer.now = 1.0
+    _serve(layer, [20])  # the loop runs first: evicts int(8 x 0.2) = 1, then the store adds one
+    assert layer.resident(Tier.CPU) == 8 and layer.evictions["cpu"] == 1
+    _serve(layer, [30, 31, 32])  # 8 + 3 > 10: the whole store is refused, from L1 and from L2
+    assert layer.store_failures == 3 and 30 not in layer.t[Tier.CPU] and 30 not in layer.t[Tier.DISK]
+    layer.now = 5.5  # idle periods: one trim (8 -> 7 is below the watermark), then nothing until now
+    _serve(layer, [40])
+    assert layer.evictions["cpu"] == 2 and layer.resident(Tier.CPU) == 8

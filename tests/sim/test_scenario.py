@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.policies.tiers import Tier
+from kvtier.replay.sim.layer import LayerBehaviour
 from kvtier.replay.sim.scenario import load_scenario, parse_scenario
 
 
@@ -63,3 +64,19 @@ def test_one_tier_model_feeds_replay_and_the_planner() -> None:
     assert cfg.capacity_blocks == hw[2].capacity_blocks and cfg.load_bandwidth_bytes_s == 12e9
     (spec,) = PolicyDoc(tiers=[cfg]).planner_config().tiers
     assert spec.capacity_blocks == hw[2].capacity_blocks and spec.load_bandwidth_bytes_s == 12e9
+
+
+def test_cpu_tiny_measured_costs_and_the_layers_own_details() -> None:
+    c = load_scenario("cpu-tiny")
+    assert c.compute.kv_bytes_per_token == 1024 and c.block_bytes == 64 << 10  # LMCache's 64 KiB chunk
+    assert [h.capacity_blocks for h in c.tiers[:2]] == [47, 458]
+    assert c.compute.prefill_a_s == 0.0 and c.compute.step_overhead_s > 0  # measured, not a roofline
+    assert c.layer.touch_whole_prompt and c.layer.tail_first and not c.layer.retain_l2_hits
+    assert c.layer.l1_watermark == 0.8
+    assert load_scenario("demo-8b").layer == LayerBehaviour()  # the other scenarios keep the original model
+    with pytest.raises(ValueError, match="unknown key"):
+        parse_scenario(_doc(layer={"watermark": 0.8}))
+    with pytest.raises(ValueError, match="l1_watermark"):
+        parse_scenario(_doc(layer={"l1_watermark": 1.5}))
+    measured = parse_scenario(_doc(accelerator={"prefill_s_per_token": 1e-4, "hbm_bytes_s": 1e10, "mbu": 1}))
+    assert measured.compute.prefill_a_s == 1e-4 and measured.compute.prefill_b_s == 0.0

@@ -1,0 +1,347 @@
+"""Calibration of the simulator against the real stack: vLLM CPU + LMCache MP, the layer's default policy.
+
+One command (peers from ``scripts/setup-peers.sh``)::
+
+    . /work/main/.peers/env.sh && python -m bench.calibrate_sim            # 300 requests, ~3-5 min
+    python -m bench.calibrate_sim --requests 120 --json calib.json
+    python -m bench.calibrate_sim --from-json calib.json    # predict again from a recorded measurement
+
+What it does, in one session on one fresh stack (``bench.live_ab.ManagedStack``: LMCache MP L1 0.028 GiB
+LRU + fs L2, vLLM CPU with a 96-block prefix cache and LMCacheMPConnector, no sidecar):
+
+1. **Probe** (measures this machine, now): prompts of 1-15 chunks of tokens the workload never uses, all
+   sent back to back three times: cold (misses: prefill of every token), again after ``POST
+   /reset_prefix_cache`` (full LMCache L1 hits) and again after also clearing L1 (L2 hits). Robust line
+   fits (:func:`theil_sen`) give the fixed cost per request and the prefill cost per token (cold), the L1 ->
+   engine load time and the L2 -> L1 load time (latency + bytes / bandwidth) from the hits. Then the
+   prefix cache is reset and L1 cleared again (L2 keeps the probe's chunks, which no workload prompt asks
+   for).
+2. **Workload**: the first ``--requests`` of the bundled trace with ``kvtier bench``'s prompt construction
+   (:func:`kvtier.replay.live_bench.build_requests`: each hash id a fixed 64-token chunk, at most 15 chunks,
+   2 output tokens), sent one at a time; hit tokens from vLLM's and LMCache's own counters, client TTFT.
+3. **Prediction**: the same requests (each trace request's first 15 hash ids as 64-token blocks) through
+   the simulator's ``default`` arm (:func:`kvtier.controller.demo.run_baseline`) with
+   ``scenarios/cpu-tiny.yaml``, its compute and link figures replaced by the probe's (``--rates scenario``
+   keeps the file's, measured once when it was written).
+
+Printed and written (``--json``): per tier, predicted vs measured hit tokens and their ratio; TTFT p50/p90;
+the probe's fits; the load average. Targets (issue 15): hit tokens within 10 %, TTFT p50 within 25 %.
+Hit tokens per tier: "GPU" is vLLM's own prefix cache; "LMCache L1 / L2" are LMCache's lookup hits, which
+count the whole prompt from token 0 (HBM hits included) by the tier LMCache found each chunk in; "loaded
+from LMCache" is what vLLM took from it beyond its own hits; "recomputed" the rest. Record and method:
+docs/perf/calibration.md, docs/sim.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from bench.live_ab import CHUNK, MAX_PROMPT, ManagedStack, load_workload
+from kvtier.policies.base import Request
+from kvtier.replay.live_bench import (
+    BenchRequest,
+    Target,
+    build_requests,
+    chunk_tokens,
+    run_once,
+    send_all,
+)
+
+L1_GB = 0.028  # the managed stack's L1 (GiB), as bench.live_ab
+GPU_BLOCKS = 96  # vLLM --num-gpu-blocks-override (32-token blocks)
+VOCAB = 512  # the tiny model's vocabulary
+PROBE_SEED = 7919  # token chunks no workload prompt contains (the workload uses seed 0)
+PROBE_CHUNKS = (1, 2, 4, 8, 15)
+
+# rows of the comparison: (label, simulator figure, measured figure)
+ROWS = (
+    ("GPU prefix cache (vLLM)", "gpu", "gpu_hit_tokens"),
+    ("LMCache L1 (lookup hits)", "l1_lookup", "l1_hit_tokens"),
+    ("LMCache L2 (lookup hits)", "l2_lookup", "l2_hit_tokens"),
+    ("loaded from LMCache (vLLM external)", "external", "external_hit_tokens"),
+    ("recomputed", "recomputed", "recomputed_tokens"),
+)
+
+
+def sim_requests(
+    trace: Sequence[Request], *, chunk: int = CHUNK, max_prompt: int = MAX_PROMPT
+) -> list[Request]:
+    """The workload as the simulator sees it: a trace request's first ``max_prompt // chunk`` hash ids as
+    ``chunk``-token blocks (``build_requests`` turns each into one ``chunk``-token chunk), its output tokens
+    capped at 2 as the bench sends them; arrival times are kept (the scenario is a closed loop)."""
+    n = max(1, max_prompt // chunk)
+    out = []
+    for r in trace:
+        ids = np.asarray(r.hash_ids[:n], dtype=np.int64)
+        out.append(
+            Request(r.timestamp_ms, chunk * len(ids), max(1, min(2, int(r.output_length) or 1)), ids, chunk)
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the probe
+
+
+def _send(target: Target, prompts: Sequence[list[int]]) -> list[float]:
+    """Send ``prompts`` back to back, one in flight (the workload's pacing) -> their TTFTs (s)."""
+    import asyncio
+
+    reqs = [BenchRequest(0.0, p, 2) for p in prompts]
+    ttfts, failed, _ = asyncio.run(send_all(target.engine_url, target.model, reqs, concurrency=1))
+    if failed:
+        raise RuntimeError(f"{failed} probe requests failed")
+    return ttfts
+
+
+def reset_caches(target: Target) -> None:
+    """Empty vLLM's prefix cache and LMCache's L1 (L2 keeps its files: the workload never asks for them)."""
+    httpx.post(target.engine_url + "/reset_prefix_cache", timeout=30).raise_for_status()
+    assert target.lmcache_url
+    httpx.post(
+        target.lmcache_url + "/cache/clear", json={"tier": "l1", "force": False}, timeout=30
+    ).raise_for_status()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        st = httpx.get(target.lmcache_url + "/status", timeout=5).json()
+        if int(st["storage_manager"]["l1_managers"]["_default"]["total_object_count"]) == 0:
+            return
+        time.sleep(0.2)  # polling the clear with a deadline
+    raise RuntimeError("LMCache L1 not empty 30 s after /cache/clear")
+
+
+def probe(target: Target, *, chunks: Sequence[int] = PROBE_CHUNKS, reps: int = 6) -> dict[str, Any]:
+    """TTFT (s) of cold / L1-hit / L2-hit sends per prompt length; see the module doc. Each phase sends
+    all prompts back to back as the workload does, so a request's cost includes the previous one's
+    write-through still running, as it does in the workload."""
+    _send(target, [chunk_tokens(10**9 + i, CHUNK, vocab=VOCAB, seed=PROBE_SEED) for i in range(2)])  # warm-up
+    sizes = [n for _ in range(reps) for n in chunks]
+    prompts = [
+        [t for k in range(n) for t in chunk_tokens(10**10 + i * 100 + k, CHUNK, vocab=VOCAB, seed=PROBE_SEED)]
+        for i, n in enumerate(sizes)
+    ]  # reps x sum(chunks) chunks: they all fit below L1's eviction watermark
+    cold = _send(target, prompts)
+    httpx.post(target.engine_url + "/reset_prefix_cache", timeout=30).raise_for_status()
+    l1 = _send(target, prompts)
+    reset_caches(target)
+    l2 = _send(target, prompts)
+    reset_caches(target)
+    rows = [{"chunks": n, "tokens": n * CHUNK, "cold_s": c, "l1_s": x, "l2_s": y}
+            for n, c, x, y in zip(sizes, cold, l1, l2, strict=True)]  # fmt: skip
+    return {"rows": rows, **fit_probe(rows)}
+
+
+def theil_sen(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> tuple[float, float]:
+    """Robust line ``y = icpt + slope * x``: the median of the pairwise slopes, the median residual as
+    intercept (one noisy send on a loaded machine moves neither much, unlike least squares)."""
+    xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    i, j = np.triu_indices(len(xs), k=1)
+    keep = xs[j] != xs[i]
+    slope = float(np.median((ys[j] - ys[i])[keep] / (xs[j] - xs[i])[keep])) if keep.any() else 0.0
+    return float(np.median(ys - slope * xs)), slope
+
+
+def fit_probe(rows: Sequence[dict[str, float]], kv_bytes_per_token: int = 1024) -> dict[str, float]:
+    """Robust fits (:func:`theil_sen`) over every probe send: fixed cost ``c0`` (s) + prefill ``a`` (s per
+    token) from the cold sends; the L1 -> engine load ``lat1 + bytes / bw1`` from the L1-hit sends (minus
+    ``c0`` and one prefilled token); the L2 -> L1 load ``lat2 + bytes / bw2`` from each prompt's L2-hit minus
+    its L1-hit send. A slope that comes out <= 0 (not resolvable under the noise) means no per-token cost
+    (prefill 0, bandwidth 1e15 B/s); a negative latency is 0."""
+    tok = np.array([r["tokens"] for r in rows], dtype=float)
+    nbytes = tok * kv_bytes_per_token
+    cold = np.array([r["cold_s"] for r in rows])
+    l1 = np.array([r["l1_s"] for r in rows])
+    l2 = np.array([r["l2_s"] for r in rows])
+    c0, a = theil_sen(tok, cold)
+    if a <= 0:
+        c0, a = float(np.median(cold)), 0.0
+
+    def link(y: np.ndarray) -> tuple[float, float]:
+        lat, slope = theil_sen(nbytes, y)
+        if slope <= 0:
+            return max(float(np.median(y)), 0.0), 1e15
+        return max(lat, 0.0), 1.0 / slope
+
+    lat1, bw1 = link(l1 - c0 - a)
+    lat2, bw2 = link(l2 - l1)
+    return {"c0_s": c0, "prefill_s_per_token": a, "l1_latency_s": lat1, "l1_read_bytes_s": bw1,
+            "l2_latency_s": lat2, "l2_read_bytes_s": bw2}  # fmt: skip
+
+
+def with_rates(sc: Any, fit: dict[str, float]) -> Any:
+    """The scenario with the probe's costs: fixed cost per engine step, prefill per token (no position
+    term: not resolvable on this model), the L1 and L2 read links."""
+    from kvtier.policies.tiers import Tier, TierHardware
+
+    comp = replace(sc.compute, prefill_a_s=fit["prefill_s_per_token"], prefill_b_s=0.0,
+                   step_overhead_s=fit["c0_s"])  # fmt: skip
+    tiers = []
+    for h in sc.tiers:
+        key = {Tier.CPU: "l1", Tier.DISK: "l2"}.get(h.tier)
+        if key is not None:
+            h = TierHardware(h.tier, h.capacity_blocks, fit[f"{key}_read_bytes_s"], h.write_bytes_s,
+                             fit[f"{key}_latency_s"])  # fmt: skip
+        tiers.append(h)
+    return replace(sc, compute=comp, tiers=tuple(tiers))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# prediction and comparison
+
+
+def predict(sc: Any, reqs: list[Request]) -> dict[str, Any]:
+    """The simulator's ``default`` arm over ``reqs`` -> its report plus the comparison figures."""
+    from kvtier.controller.demo import run_baseline
+
+    rep, res = run_baseline(sc, reqs, "default", 10)
+    hit = rep["hit_tokens_by_tier"]
+    look = rep["layer_lookup_tokens_by_tier"]
+    ttft = [r.ttft_s for r in res.records]
+    # vLLM computes the last prompt token even when every block is cached (the serving model's hit)
+    served = sum(r.hit_tokens for r in res.records)
+    ext = served - hit.get("gpu", 0)
+    fig = {
+        "gpu": hit.get("gpu", 0),
+        "l1_lookup": look.get("cpu", 0),
+        "l2_lookup": look.get("disk", 0),
+        "external": ext,
+        "recomputed": rep["input_tokens"] - served,
+        "ttft_p50_s": float(np.quantile(ttft, 0.5)),
+        "ttft_p90_s": float(np.quantile(ttft, 0.9)),
+    }
+    return {"figures": fig, "report": rep}
+
+
+def compare(pred: dict[str, float], meas: dict[str, float]) -> list[dict[str, Any]]:
+    rows = [(lbl, pred[p], meas[m]) for lbl, p, m in ROWS]
+    rows += [("TTFT p50 (s)", pred["ttft_p50_s"], meas["ttft_p50_s"]),
+             ("TTFT p90 (s)", pred["ttft_p90_s"], meas["ttft_p90_s"])]  # fmt: skip
+    return [{"figure": lbl, "predicted": float(p), "measured": float(m),
+             "ratio": float(p / m) if m else (1.0 if p == 0 else float("inf"))}
+            for lbl, p, m in rows]  # fmt: skip
+
+
+def measure(n: int, *, probe_reps: int = 6, root: Path | None = None) -> dict[str, Any]:
+    """Probe + workload on one fresh stack (see the module doc) -> the live figures."""
+    trace = load_workload("bundled", n)
+    breqs = build_requests(trace, chunk=CHUNK, vocab=VOCAB, max_prompt_tokens=MAX_PROMPT, max_tokens=2)
+    owns = root is None
+    tmp = Path(root or tempfile.mkdtemp(prefix="kvtier-calib-"))
+    stack = ManagedStack(tmp, L1_GB, GPU_BLOCKS)
+    load0 = os.getloadavg()
+    try:
+        target = stack.up("baseline", 0)
+        pr = probe(target, reps=probe_reps)
+        load1 = os.getloadavg()
+        r = run_once("baseline", target, breqs, concurrency=1)
+        load2 = os.getloadavg()
+    finally:
+        stack.down("", -1)
+        if owns:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if r.failed:
+        raise RuntimeError(f"{r.failed} of {len(breqs)} workload requests failed")
+    meas = dict(r.counters)
+    meas["ttft_p50_s"] = float(np.quantile(r.ttft_s, 0.5))
+    meas["ttft_p90_s"] = float(np.quantile(r.ttft_s, 0.9))
+    return {
+        "requests": len(breqs),
+        "prompt_tokens": sum(len(b.prompt) for b in breqs),
+        "measured": meas,
+        "measured_ttft_s": r.ttft_s,
+        "measured_wall_s": r.wall_s,
+        "probe": pr,
+        "loadavg": {"start": load0, "after_probe": load1, "after_workload": load2},
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def run(n: int, *, rates: str = "measured", probe_reps: int = 6, scenario: str = "cpu-tiny",
+        root: Path | None = None, live: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Measure (unless ``live`` gives an earlier :func:`measure` result), then predict and compare."""
+    from kvtier.replay.sim.scenario import load_scenario
+
+    live = live if live is not None else measure(n, probe_reps=probe_reps, root=root)
+    sc0 = load_scenario(scenario)
+    fit = fit_probe(live["probe"]["rows"])  # refit: --from-json predicts with the current fit
+    sc = with_rates(sc0, fit) if rates == "measured" else sc0
+    pred = predict(sc, sim_requests(load_workload("bundled", live["requests"])))
+    return {
+        **live,
+        "rates": rates,
+        "scenario": scenario,
+        "probe_fit": fit,
+        "comparison": compare(pred["figures"], live["measured"]),
+        "predicted": pred["figures"],
+        "sim_report": pred["report"],
+        "scenario_costs": {
+            "step_overhead_s": sc.compute.step_overhead_s,
+            "prefill_s_per_token": sc.compute.prefill_a_s,
+            "links": {
+                h.tier.value: {"read_bytes_s": h.read_bytes_s, "latency_s": h.latency_s} for h in sc.tiers[1:]
+            },  # fmt: skip
+        },
+    }
+
+
+def render(out: dict[str, Any]) -> str:
+    lines = [f"calibration: {out['requests']} requests, rates={out['rates']}, load average "
+             f"{out['loadavg']['after_workload'][0]:.1f} (1 min) on {out['cpu_count']} cores",
+             f"{'figure':40s} {'predicted':>12s} {'measured':>12s} {'ratio':>7s}"]  # fmt: skip
+    for row in out["comparison"]:
+        fmt = "{:12.3f}" if "TTFT" in row["figure"] else "{:12.0f}"
+        lines.append(f"{row['figure']:40s} {fmt.format(row['predicted'])} {fmt.format(row['measured'])} "
+                     f"{row['ratio']:7.3f}")  # fmt: skip
+    p = out["probe_fit"]
+    lines.append(f"probe: c0 {p['c0_s'] * 1e3:.1f} ms, "
+                 f"prefill {p['prefill_s_per_token'] * 1e6:.1f} us/token, "
+                 f"L1 load {p['l1_latency_s'] * 1e3:.1f} ms + {p['l1_read_bytes_s'] / 1e9:.2f} GB/s, "
+                 f"L2 load {p['l2_latency_s'] * 1e3:.1f} ms + "
+                 f"{p['l2_read_bytes_s'] / 1e9:.2f} GB/s")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--rates", choices=("measured", "scenario"), default="measured",
+                    help="measured: this session's probe; scenario: the YAML's figures")  # fmt: skip
+    ap.add_argument("--probe-reps", type=int, default=6)
+    ap.add_argument("--scenario", default="cpu-tiny")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--from-json", type=Path, default=None,
+                    help="predict again from an earlier --json's live figures (no stack)")  # fmt: skip
+    a = ap.parse_args(argv)
+    if a.requests < 1 or a.probe_reps < 1:
+        sys.exit("error: --requests and --probe-reps must be >= 1")
+    live = None
+    if a.from_json is not None:
+        try:
+            live = json.loads(a.from_json.read_text())
+        except (OSError, ValueError) as e:
+            sys.exit(f"error: --from-json {a.from_json}: {e}")
+    else:
+        live = measure(a.requests, probe_reps=a.probe_reps)
+        if a.json:  # the live figures first: a prediction error must not lose a measurement
+            a.json.write_text(json.dumps(live, indent=2, default=str))
+    out = run(live["requests"], rates=a.rates, scenario=a.scenario, live=live)
+    print(render(out))
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
