@@ -111,13 +111,30 @@ class KvIngestor:
         self._extra: dict[Tier, dict[int, int]] = {t: {} for t in TIER_ORDER}
         self.counts: dict[str, SourceCounts] = defaultdict(SourceCounts)  # engine label -> counters
         self.index_skipped = 0  # queued index operations skipped because the index was full
+        self.flush_deferred = 0  # flushes put off because a reader (the tick) held the index
         self.sinks: list[BatchSink] = []  # notified of each batch after it was applied
 
     # ---- queries ----------------------------------------------------------------------------------------
-    def flush(self) -> None:
+    def flush(self, *, wait: bool = True) -> bool:
         """Apply the queued index operations now. Block stores that do not fit a full index (``max_blocks``
         reached, nothing reclaimable) are skipped, counted in :attr:`index_skipped` and logged; residency
-        (:meth:`blocks_tracked`) is kept apart from the index and stays exact."""
+        (:meth:`blocks_tracked`) is kept apart from the index and stays exact.
+
+        Under the index's lock: the reconcile tick reads the index from a worker thread, and a bulk apply
+        under it (slot-map rehash, array growth) made its lookups fail mid-tick. ``wait=False`` (the event
+        loop's callers): when a tick holds the index, return False at once and keep the operations queued
+        for the next flush (the queue grows by at most one tick's worth of events)."""
+        lock = self.index.lock
+        if not lock.acquire(blocking=wait):
+            self.flush_deferred += 1
+            return False
+        try:
+            self._apply_queued()
+        finally:
+            lock.release()
+        return True
+
+    def _apply_queued(self) -> None:
         skipped = apply_ops(self.index, self._q)
         if skipped:
             if not self.index_skipped:
@@ -211,7 +228,7 @@ class KvIngestor:
         ev["BlockRemoved"] += n_removed
         ev["AllBlocksCleared"] += n_cleared
         if len(self._q) >= self.flush_every:
-            self.flush()
+            self.flush(wait=False)
 
     def clear_source(self, engine: str, source: str | None = None) -> int:
         """The source restarted (its caches are empty): drop everything it held, every tier."""

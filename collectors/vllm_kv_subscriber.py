@@ -304,12 +304,12 @@ class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
                         break
                     await self.handle(st.src.dp_rank, frames)
                     if time.monotonic() - t0 >= self.yield_every_s:
-                        self.ingestor.flush()  # bounded: at most one slice of queued index updates
+                        self.ingestor.flush(wait=False)  # bounded: one slice of queued index updates
                         await asyncio.sleep(0)  # let the API, the loop and cancellation in
                         self.yields += 1
                         t0 = time.monotonic()
             if ready:
-                self.ingestor.flush()  # queued index updates -> BlockIndex once the sockets are drained
+                self.ingestor.flush(wait=False)  # queued index updates -> BlockIndex once drained
 
     async def handle(self, rank: int, frames: list[bytes]) -> None:
         """One received message from DP rank ``rank``: decode, check sequence, replay gaps, apply."""

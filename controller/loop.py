@@ -272,7 +272,8 @@ class ReconcileLoop:
             span.set_attribute("kvtier.tick", self.tick_no)
             span.set_attribute("kvtier.mode", self.policy.mode)
             try:
-                self._run_phases(now, rep)
+                with self.index.lock:  # the ingest path's bulk applies wait for the tick (they defer)
+                    self._run_phases(now, rep)
             except Exception as exc:  # noqa: BLE001 - the loop must survive anything
                 rep.outcome = "error"
                 self.errors[type(exc).__name__] += 1

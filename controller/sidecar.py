@@ -295,7 +295,7 @@ class Sidecar:
 
     def status(self) -> dict[str, Any]:
         ing = self.ingestor
-        ing.flush()
+        ing.flush(wait=False)  # on the event loop: never wait for a running tick
         received = {e: {t: n for t, n in c.events.items()} for e, c in sorted(ing.counts.items())}
         engines = []
         for mc, sub in zip(self.metrics_collectors, self.subscribers, strict=True):
@@ -335,6 +335,7 @@ class Sidecar:
             "index_max_blocks": ing.index.max_blocks,
             "index_reclaimed": ing.index.reclaimed,
             "index_skipped": ing.index_skipped,
+            "index_flush_deferred": ing.flush_deferred,  # bulk applies put off while a tick read the index
             "kv_events_received": sum(sum(v.values()) for v in received.values()),
             "kv_events_received_by_engine": received,
             "kv_events_lost": sum(s.lost for s in self.subscribers),

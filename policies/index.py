@@ -14,6 +14,7 @@ stalest blocks that are resident nowhere and have no tracked children.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -153,6 +154,9 @@ class BlockIndex:
         if max_blocks is not None and max_blocks <= 0:
             raise ValueError(f"max_blocks must be > 0, got {max_blocks}")
         self.max_blocks = max_blocks
+        # writers (the ingest path's bulk apply, on the event loop) and readers on another thread (the
+        # reconcile tick, in a worker thread) take this; a writer that finds it held defers, never waits
+        self.lock = threading.RLock()
         cap = max(16, initial_capacity if max_blocks is None else min(initial_capacity, max_blocks))
         # int64 key -> slot (numpy open addressing: ~16-32 B per block), sized like the slot arrays so a
         # growing index does not rehash it from 1,024 entries up

@@ -258,3 +258,46 @@ def test_observed_sizes_refresh_incrementally_and_equal_a_full_fill_after_every_
             idx.store(b, None, 1, 100 + k, 5000.0)
     assert idx.nbytes_changed_since(0) is None
     check()
+
+
+def test_the_ingest_path_defers_its_bulk_apply_while_a_tick_reads_the_index() -> None:
+    """The tick reads the block index from a worker thread while the event loop applies queued KV-event
+    updates to it; a bulk apply under a running tick (slot-map rehash, array growth) made the tick's
+    lookups fail. A flush that finds the tick holding the index returns at once (deferred, counted) with
+    its operations still queued; the next flush applies them."""
+    import threading
+
+    from prometheus_client import CollectorRegistry
+
+    from kvtier.collectors.kv_ingest import KvIngestor
+    from kvtier.collectors.vllm_events import BlockStored
+    from kvtier.controller.loop import ReconcileLoop
+    from kvtier.controller.metrics import ControllerMetrics
+    from kvtier.controller.policy_doc import PolicyDoc
+
+    idx = BlockIndex(initial_capacity=256)
+    for b in range(1, 41):
+        idx.store(b, b - 1 if b > 1 else None, 1, 65536, 1000.0 * b)
+    ing = KvIngestor(idx)
+    ing.apply_events("e0", [BlockStored(block_hashes=[1000, 1001], block_size=16)], 50_000.0)
+    flushed_during_tick: list[bool] = []
+
+    class Probe:
+        """A predictor that, mid-tick, has another thread try the ingest path's flush."""
+
+        def predict(self, index: BlockIndex, n: int, now_ms: float) -> np.ndarray:
+            t = threading.Thread(target=lambda: flushed_during_tick.append(ing.flush(wait=False)))
+            t.start()
+            t.join()
+            return np.full(n, 0.5, np.float32)
+
+    loop = ReconcileLoop(
+        idx, policy=PolicyDoc(mode="shadow"), metrics=ControllerMetrics(CollectorRegistry()),
+        clock=lambda: 100.0, predictor=Probe(),  # type: ignore[arg-type]
+    )  # fmt: skip
+    rep = loop.tick()
+    assert rep.outcome == "ok"
+    assert flushed_during_tick == [False] and ing.flush_deferred == 1
+    assert idx.slot_of(1000) < 0  # still queued
+    assert ing.flush(wait=False) is True
+    assert idx.slot_of(1000) >= 0 and idx.slot_of(1001) >= 0
