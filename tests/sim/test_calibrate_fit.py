@@ -1,5 +1,6 @@
 """bench.calibrate_sim's pure parts: the robust probe fit, the workload as the simulator sees it, and the
-prediction through the simulator's public entry point (no live stack: that is test_calibration_live)."""
+prediction through the simulator's public entry point (no live stack: the live comparison is
+``python -m bench.calibrate_sim``)."""
 
 from __future__ import annotations
 
