@@ -1,0 +1,165 @@
+"""How much L1-hit room is there for an admission policy on a workload? The calibrated simulator's answer.
+
+The L1 keeper (``--actuator lmcache-l1``) can only do two things to LMCache MP's L1: drop a chunk right after
+the engine stored it (its L2 copy stays) and load a chunk's prefix back from L2. This bench runs those two
+levers in the simulator's LMCache model (``scenarios/cpu-tiny.yaml``: whole-prompt L1 touch, tail-first LRU,
+L2 hits only temporarily in L1, the 1 s watermark eviction loop; its default-policy L1 counts match the real
+stack's, docs/perf/calibration.md) over ``bench.live_ab``'s workload, and prints LMCache's L1 lookup-hit
+tokens per policy against the layer's default:
+
+- ``second-sight``: what the keeper does -- drop a chunk at its first sighting, load the prefix through it
+  back into L1 when a lookup next finds it in L2 (drops decided by :class:`AdmissionCore`, as in the keeper);
+- ``probation N``: a causal variant -- a first-sight chunk stays in L1 until N newer first-sight chunks
+  arrived, then is dropped unless it was seen again (the small FIFO of S3-FIFO), same readmission;
+- ``oracle``: bypass exactly the chunks that are never used again (future knowledge): the ceiling of
+  admission on this workload (no readmission needed).
+
+It also prints what the oracle knows that a causal policy would need: the reuse rate of first-sight chunks
+by the features the layer sees at store time (position in the prompt, prefix hit depth). Flat rates mean
+no store-time feature separates reused from single-use chunks. Requests are paced ``--pace`` s apart (the
+live bench's closed loop runs at about one request per 0.2-0.3 s here).
+Record: docs/perf/live_ab_lmcache_l1.md.
+
+    python -m bench.l1_admission_bound --requests 1000          # ~10 s
+    python -m bench.l1_admission_bound --workload multiturn:7 --requests 500
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from bench.calibrate_sim import sim_requests
+from bench.live_ab import load_workload
+from kvtier.policies.base import Request
+from kvtier.policies.l1_admission import AdmissionCore
+from kvtier.policies.tiers import Tier
+from kvtier.replay.sim.run import make_layer
+from kvtier.replay.sim.scenario import Scenario, load_scenario
+
+NEVER = 1 << 62  # next-use index of a chunk that is not used again
+
+
+@dataclass(frozen=True)
+class BoundRow:
+    """One policy's result: LMCache L1 / L2 lookup-hit tokens, chunks dropped from and reloaded into L1."""
+
+    policy: str
+    l1_hit_tokens: int
+    l2_hit_tokens: int
+    drops: int
+    readmits: int
+
+
+def next_use(chains: Sequence[Sequence[int]]) -> list[dict[int, int]]:
+    """Per request, each chunk's index of the next request that uses it (``NEVER`` if none)."""
+    out: list[dict[int, int]] = [{} for _ in chains]
+    last: dict[int, int] = {}
+    for i in range(len(chains) - 1, -1, -1):
+        out[i] = {b: last.get(b, NEVER) for b in chains[i]}
+        for b in chains[i]:
+            last[b] = i
+    return out
+
+
+def simulate(
+    sc: Scenario, reqs: Sequence[Request], policy: str, *, probation: int = 0, pace_s: float = 0.25
+) -> BoundRow:
+    """``policy`` in ``default``, ``second-sight``, ``probation``, ``oracle`` (see the module doc)."""
+    layer = make_layer(sc, offload=True)
+    chains = [[int(x) for x in r.hash_ids] for r in reqs]
+    nxt = next_use(chains) if policy == "oracle" else []
+    core = AdmissionCore(capacity=sc.tiers[1].capacity_blocks)
+    fifo: OrderedDict[int, None] = OrderedDict()  # probation: first-sight chunks in arrival order
+    seen: set[int] = set()
+    dropped: set[int] = set()
+    drops = readmits = 0
+    for i, (r, chain) in enumerate(zip(reqs, chains, strict=True)):
+        layer.now = i * pace_s
+        found = layer.lookup(chain, r.input_length, r.block_tokens)
+        for k, b in enumerate(chain):  # second sight of a dropped chunk, found in L2: reload its prefix
+            if b in dropped and found.tiers[k] is Tier.DISK:
+                readmits += sum(layer.promote(a, Tier.CPU) == "" for a in chain[: k + 1])
+                dropped.discard(b)
+        layer.store(chain, found.hit_blocks)
+        new = chain[found.hit_blocks :]
+        if policy == "second-sight":
+            victims = [int(str(k)) for k in core.observe(new)]
+        elif policy == "probation":
+            for b in chain:
+                if b in seen:
+                    fifo.pop(b, None)
+            fifo.update((b, None) for b in new if b not in seen)
+            victims = []
+            while len(fifo) > probation:
+                victims.append(fifo.popitem(last=False)[0])
+        elif policy == "oracle":
+            victims = [b for b in new if nxt[i][b] == NEVER]
+        else:
+            victims = []
+        for b in victims:
+            if layer.evict(b, Tier.CPU) == "":
+                dropped.add(b)
+                drops += 1
+        seen.update(chain)
+    look = layer.layer_lookup_tokens
+    name = f"probation {probation}" if policy == "probation" else policy
+    return BoundRow(name, look.get("cpu", 0), look.get("disk", 0), drops, readmits)
+
+
+def store_time_reuse(reqs: Sequence[Request]) -> dict[str, dict[str, tuple[int, float]]]:
+    """Reuse rate of first-sight chunks by store-time feature -> {feature: {value: (chunks, rate)}}."""
+    chains = [[int(x) for x in r.hash_ids] for r in reqs]
+    nxt = next_use(chains)
+    seen: set[int] = set()
+    n: dict[str, Counter[str]] = {}
+    reused: dict[str, Counter[str]] = {}
+    for i, chain in enumerate(chains):
+        hit = next((k for k, b in enumerate(chain) if b not in seen), len(chain))
+        for k, b in enumerate(chain):
+            if b in seen:
+                continue
+            feats = {"chunks from the prompt's end": min(len(chain) - 1 - k, 3), "prefix hit depth (chunks)":
+                     min(hit, 4), "position in the prompt (chunk)": min(k, 8)}  # fmt: skip
+            for f, v in feats.items():
+                n.setdefault(f, Counter())[str(v)] += 1
+                reused.setdefault(f, Counter())[str(v)] += nxt[i][b] != NEVER
+        seen.update(chain)
+    return {f: {v: (c, reused[f][v] / c) for v, c in sorted(n[f].items())} for f in n}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--workload", default="bundled", help="as bench.live_ab: bundled, a JSONL, multiturn:SEED"
+    )
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--pace", type=float, default=0.25, help="seconds between requests (closed loop)")
+    ap.add_argument("--probation", default="16,32,92", help="comma-separated probation lengths (chunks)")
+    a = ap.parse_args(argv)
+    sc = load_scenario("cpu-tiny")
+    reqs = sim_requests(load_workload(a.workload, a.requests))
+    rows = [simulate(sc, reqs, "default", pace_s=a.pace), simulate(sc, reqs, "second-sight", pace_s=a.pace)]
+    rows += [simulate(sc, reqs, "probation", probation=int(p), pace_s=a.pace) for p in a.probation.split(",")]
+    rows.append(simulate(sc, reqs, "oracle", pace_s=a.pace))
+    base = max(1, rows[0].l1_hit_tokens)
+    print(f"{a.workload}, {len(reqs)} requests, L1 {sc.tiers[1].capacity_blocks} chunks, pace {a.pace} s")
+    print(f"{'policy':16s} {'L1-hit tokens':>14s} {'vs default':>10s} {'L2-hit tokens':>14s} {'drops':>7s} "
+          f"{'readmits':>8s}")  # fmt: skip
+    for r in rows:
+        gain = r.l1_hit_tokens / base - 1
+        print(f"{r.policy:16s} {r.l1_hit_tokens:14,d} {gain:+10.1%} {r.l2_hit_tokens:14,d} {r.drops:7d} "
+              f"{r.readmits:8d}")  # fmt: skip
+    uses = Counter(Counter(int(x) for r in reqs for x in r.hash_ids).values())
+    print("chunks by uses:", ", ".join(f"{k}x: {uses[k]}" for k in sorted(uses)[:6]))
+    for f, vals in store_time_reuse(reqs).items():
+        print(
+            f"reuse of first-sight chunks by {f}: "
+            + ", ".join(f"{v}: {r:.2f} (n={c})" for v, (c, r) in vals.items())
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The admission bound bench: its oracle and its levers behave as the module doc says (simulator only)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from bench.calibrate_sim import sim_requests
+from bench.l1_admission_bound import NEVER, next_use, simulate, store_time_reuse
+from bench.live_ab import load_workload, once_again_trace
+from kvtier.replay.sim.scenario import load_scenario
+
+
+def test_next_use_indexes_the_next_request_or_never() -> None:
+    assert next_use([[1, 2], [2, 3], [1]]) == [{1: 2, 2: 1}, {2: NEVER, 3: NEVER}, {1: NEVER}]
+
+
+def test_oracle_bypasses_only_chunks_never_used_again() -> None:
+    sc = load_scenario("cpu-tiny")
+    reqs = sim_requests(once_again_trace(120))  # every prompt comes back once, eight prompts later
+    uses = Counter(int(x) for r in reqs for x in r.hash_ids)
+    default, oracle = simulate(sc, reqs, "default"), simulate(sc, reqs, "oracle")
+    # only the last prompts, whose second sending falls past the trace's end, are bypassed
+    assert oracle.drops == sum(1 for n in uses.values() if n == 1) > 0
+    assert oracle.l1_hit_tokens == default.l1_hit_tokens
+    # second sight drops every first sighting, and a prompt used twice never profits from its readmission
+    second = simulate(sc, reqs, "second-sight")
+    assert second.drops > 0
+    assert second.l1_hit_tokens < default.l1_hit_tokens
+
+
+@pytest.mark.parametrize("policy", ["second-sight", "probation", "oracle"])
+def test_levers_never_lose_a_hit_token_overall(policy: str) -> None:
+    """A dropped chunk keeps its L2 copy: L1 + L2 lookup hits stay the default's (hits move between tiers)."""
+    sc = load_scenario("cpu-tiny")
+    reqs = sim_requests(load_workload("bundled", 200))
+    d, r = simulate(sc, reqs, "default"), simulate(sc, reqs, policy, probation=16)
+    assert r.l1_hit_tokens + r.l2_hit_tokens == d.l1_hit_tokens + d.l2_hit_tokens
+    assert r.drops > 0
+
+
+def test_store_time_reuse_counts_every_first_sighting_once() -> None:
+    reqs = sim_requests(load_workload("bundled", 200))
+    distinct = len({int(x) for r in reqs for x in r.hash_ids})
+    for vals in store_time_reuse(reqs).values():
+        assert sum(c for c, _ in vals.values()) == distinct
+        assert all(0.0 <= rate <= 1.0 for _, rate in vals.values())
