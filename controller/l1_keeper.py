@@ -3,12 +3,13 @@
 Fed every ``BlockStored`` event's chain (through the token store), it maps the event's newly completed
 vLLM blocks to LMCache chunk keys (LMCache's chunk hash over the whole token prefix, model *path*, kv_rank),
 asks :class:`~kvtier.policies.l1_admission.AdmissionCore` which are first sightings and, in active mode
-while the guard lets it, drops exactly those chunks from L1 (``DELETE /cache/objects`` tier ``l1``, one key
-each -- never a prefix, so shared ancestors stay) once their L2 copy is verified (never the last copy). A
-chunk whose L2 copy has not appeared after ``verify_deadline_s`` is left alone (counted ``skipped``).
-When a dropped chunk is looked up again (its second sight), LMCache serves it from L2 through a temporary L1
-copy it frees after the read; so the keeper admits it itself: one ``POST /cache/prefetches`` (L2 -> L1) of
-the prefix through that chunk, off the request path (counted ``l1_readmit``).
+while the guard lets it, drops exactly those chunks from L1 (``DELETE /cache/objects`` tier ``l1``, each
+chunk by its own key -- never a prefix, so shared ancestors stay; the chunks due together go in one call)
+once their L2 copy is verified (never the last copy). A chunk whose L2 copy has not appeared after
+``verify_deadline_s`` is left alone (counted ``skipped``). When a dropped chunk is looked up again (its
+second sight), LMCache serves it from L2 through a temporary L1 copy it frees after the read; so the keeper
+admits it itself: one ``POST /cache/prefetches`` (L2 -> L1) of the prefix through that chunk, off the
+request path (counted ``l1_readmit``).
 
 What the layer can and cannot tell (reported in ``status()``): L2 residency per key is verified (``fs``
 files); L1 residency per key is not observable (LMCache MP exposes counts only), so the keeper never
@@ -80,6 +81,7 @@ class L1Keeper:
         window: int = 512,
         delay_s: float = 0.5,
         verify_deadline_s: float = 15.0,
+        max_batch: int = 256,
         status_every_s: float = 2.0,
         measure_every_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
@@ -94,6 +96,7 @@ class L1Keeper:
         self.metrics.acting.set(1)
         self.delay_s = delay_s
         self.verify_deadline_s = verify_deadline_s
+        self.max_batch = max_batch  # due items handled per worker step (one DELETE for their drops)
         self.status_every_s = status_every_s
         self.measure_every_s = measure_every_s
         self._next_measure = 0.0
@@ -212,19 +215,19 @@ class L1Keeper:
                 if self._stop:
                     return
                 now = self.clock()
-                if not self._due or self._due[0][0] > now:
+                items = []
+                while self._due and self._due[0][0] <= now and len(items) < self.max_batch:
+                    items.append(heapq.heappop(self._due))
+                if not items:
                     wait = min(
                         self._due[0][0] - now if self._due else self.status_every_s, self.status_every_s
                     )
                     self._cv.wait(timeout=max(wait, 0.01))
-                    item = None
-                else:
-                    item = heapq.heappop(self._due)
             try:
                 self._refresh_capacity()
                 self._measure()
-                if item is not None:
-                    self._handle(item)
+                if items:
+                    self._handle(items)
             except Exception:  # noqa: BLE001 - the worker must survive a bad reply
                 log.exception("l1 keeper: step failed")
 
@@ -274,35 +277,43 @@ class L1Keeper:
                 log.warning("guard: LMCache's L1 hits fell below the default's (measured); shadow")
             self._sync_guard()
 
-    def _handle(self, item: tuple[float, int, float, ObjectKey | tuple[int, ...]]) -> None:
-        _, _, give_up, key = item
-        if isinstance(key, tuple):
-            self._readmit(key)
-            return
+    def _handle(self, items: Sequence[tuple[float, int, float, ObjectKey | tuple[int, ...]]]) -> None:
+        """Readmissions one by one; the due drops whose L2 copy is verified in one ``DELETE`` (one round trip
+        per batch instead of per chunk: each call costs the layer's HTTP server CPU the engine shares)."""
         v = self.act.verifier()
-        if v is None or not v.has_copy(key):
-            if v is not None and self.clock() < give_up:
+        drops: list[ObjectKey] = []
+        for _, _, give_up, key in items:
+            if isinstance(key, tuple):
+                self._readmit(key)
+            elif v is not None and v.has_copy(key):
+                drops.append(key)
+            elif v is not None and self.clock() < give_up:
                 with self._cv:
                     self._seq += 1
                     heapq.heappush(self._due, (self.clock() + self.delay_s, self._seq, give_up, key))
-                return
-            self._count("skipped")
+            else:
+                self._count("skipped")
+        if not drops:
             return
         if not self.is_active() or not self.core.acting:
-            self._count("skipped")
+            self._count("skipped", n=len(drops))
             return
         reply, _ = self.act.caller.request(
-            "DELETE", "/cache/objects", {"keys": [key.encoded()], "tier": "l1"}
+            "DELETE", "/cache/objects", {"keys": [k.encoded() for k in drops], "tier": "l1"}
         )
-        if reply.status == 200 and isinstance(reply.body, dict) and int(reply.body.get("deleted", 0)) > 0:
-            self._count("applied")
-            self._dropped[key.chunk_hash_hex] = None
-            if len(self._dropped) > self._dropped_max:
+        if reply.status != 200 or not isinstance(reply.body, dict):
+            self._count("failed", n=len(drops))
+            return
+        # the reply counts deletions, not which keys: a key L1 no longer held is a skip
+        deleted = min(max(int(reply.body.get("deleted", 0)), 0), len(drops))
+        self._count("applied", n=deleted)
+        self._count("skipped", n=len(drops) - deleted)
+        # a key the layer had already evicted is marked too: its second sight readmits it all the same
+        if deleted:
+            for k in drops:
+                self._dropped[k.chunk_hash_hex] = None
+            while len(self._dropped) > self._dropped_max:
                 self._dropped.popitem(last=False)
-        elif reply.status == 200:
-            self._count("skipped")
-        else:
-            self._count("failed")
 
     def _readmit(self, tokens: tuple[int, ...]) -> None:
         if not self.is_active() or not self.core.acting:
@@ -311,9 +322,11 @@ class L1Keeper:
         ok = any(o.outcome is Outcome.APPLIED for o in res.outcomes)
         self._count("readmitted" if ok else "readmit_failed", "l1_readmit")
 
-    def _count(self, outcome: str, action: str = "l1_admission") -> None:
-        self.counts[outcome] = self.counts.get(outcome, 0) + 1
-        self.record(f"{action}:{outcome}", 1)
+    def _count(self, outcome: str, action: str = "l1_admission", n: int = 1) -> None:
+        if n <= 0:
+            return
+        self.counts[outcome] = self.counts.get(outcome, 0) + n
+        self.record(f"{action}:{outcome}", n)
 
     def status(self) -> dict[str, Any]:
         with self._lock:

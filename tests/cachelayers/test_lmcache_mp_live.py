@@ -295,3 +295,44 @@ def test_canned_captures_match_the_installed_peers(rig: Rig) -> None:
     # every field of the captured /status is still served (the server adds per-context entries as engines
     # register, so the live document may hold more)
     assert _keys(canned) <= _keys(rig.server.status())
+
+
+def test_keeper_drops_a_prompts_first_sight_chunks_in_one_call_and_keeps_their_l2_copy(rig: Rig) -> None:
+    """Second-sight admission on the real layer: the chunks a prompt stored for the first time leave L1 in
+    one ``DELETE`` (one round trip for the batch), their L2 copies stay, and the prompt's next look-up is
+    served from L2 -- all of it, none lost."""
+    from kvtier.controller.l1_keeper import L1Keeper
+    from tests.peers.sidecar import wait_for
+
+    p = text(21, 120)
+    toks = rig.tokens(p)
+    n_chunk_tokens = len(toks) // 64 * 64
+    act = LMCacheMPActuator(HttpCaller(rig.server.url, timeout_s=10.0), model_name=rig.vllm.model_path)
+    deletes: list[int] = []
+    request = act.caller.request
+
+    def spy(method: str, path: str, body: Any = None) -> Any:  # counts the keeper's round trips
+        if method == "DELETE":
+            deletes.append(len(body["keys"]))
+        return request(method, path, body)
+
+    act.caller.request = spy  # type: ignore[method-assign]
+    keeper = L1Keeper(act, chain_tokens=lambda _h: tuple(toks), is_active=lambda: True,
+                      registry=CollectorRegistry(), delay_s=0.0)  # fmt: skip
+    keeper.core.require_calibration = False
+    keeper.core.acting = True  # the guard's calibration is the live A/B's subject, not this test's
+    rig.ask("P cold (stored into L1 and L2)", p)
+    keeper.start()
+    try:
+        keeper.on_block_stored(None, 1, len(toks) // 32, 32)
+        n_chunks = len(toks) // 64
+        wait_for(
+            lambda: keeper.counts["applied"] + keeper.counts["skipped"] >= n_chunks, 30.0, "keeper drops"
+        )
+    finally:
+        keeper.stop()
+    assert keeper.counts["applied"] == n_chunks and keeper.counts["failed"] == 0, keeper.counts
+    assert deletes == [n_chunks], deletes  # one call for the whole batch
+    rig.flush_vllm()
+    d = rig.ask("P after the keeper's drops", p)
+    assert d["l1"] == 0 and d["l2"] == n_chunk_tokens and d["ext"] == n_chunk_tokens, d
