@@ -34,17 +34,18 @@ def sidecar(
     ingestor: KvIngestor | None = None,
     clock: Callable[[], float] | None = None,
     registry: CollectorRegistry | None = None,
-    actuators: Sequence[Actuator] = (),
+    extra_actuators: Sequence[Actuator] = (),
     doc: PolicyDoc | None = None,
     **kw: Any,
 ) -> Sidecar:
     """:func:`build_sidecar` over :func:`settings` (``kw``; ``policy`` is the placement policy's name) with
-    the injected parts tests need (``doc``: the seed policy document instead of the settings')."""
+    the injected parts tests need (``doc``: the seed policy document instead of the settings';
+    ``extra_actuators``: built actuator objects beside the settings' ``actuators`` entries)."""
     if ingestor is None and index is not None:
         ingestor = KvIngestor(index)
     extra: dict[str, Any] = {} if clock is None else {"clock": clock}
     return build_sidecar(settings(state_dir, **kw), ingestor=ingestor, registry=registry,
-                         actuators=actuators, policy=doc, **extra)  # fmt: skip
+                         actuators=extra_actuators, policy=doc, **extra)  # fmt: skip
 
 
 def client(sc: Sidecar) -> TestClient:

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
+from typing import Any
 
 from kvtier.controller.app import create_app
 from tests.controller import built
+from tests.peers.http_server import serving
 
 REPO = Path(__file__).resolve().parents[2]
 FOLDERS = ("collectors", "controller", "policies", "replay", "dashboards", "bench", "scripts", "tests",
@@ -127,3 +131,50 @@ def test_the_production_composition_serves_every_route(tmp_path: Path) -> None:
     assert st["mode"] == "shadow" and "blocks_tracked" in st and st["policy_source"]["policy"] == "default"
     assert c.patch("/v1/policy", json={"mode": "off"}).status_code == 401  # the request guard is mounted
     sc.plane.store.close()
+
+
+class _Models(BaseHTTPRequestHandler):
+    """vLLM's ``GET /v1/models``; counts every request it answers."""
+
+    hits: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server API
+        type(self).hits.append(self.path)
+        body = json.dumps({"data": [{"id": "tiny", "root": "/models/tiny-root"}]}).encode()
+        self.send_response(200 if self.path == "/v1/models" else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a: object) -> None:
+        pass
+
+
+def test_building_does_no_http_and_discover_models_is_the_explicit_step(tmp_path: Path) -> None:
+    """``build_sidecar`` sends nothing to the engine (its constructors do no I/O); ``discover_models`` asks
+    ``/v1/models`` once and fills the served name and the LMCache entries' ``--model`` path where unset."""
+    from kvtier.controller.root import discover_models
+    from kvtier.controller.settings import LMCacheL1Settings, LMCacheMPSettings
+
+    _Models.hits = []
+    with serving(_Models) as url:
+        kw: dict[str, Any] = dict(engine_urls=[url], lmcache_urls=["http://127.0.0.1:9"],
+                                  actuators=[{"kind": "lmcache-mp"}, {"kind": "lmcache-l1"}])  # fmt: skip
+        sc = built.sidecar(tmp_path / "a", **kw)
+        assert _Models.hits == [] and sc.plane.ctx.engine_model == ""
+        sc.plane.store.close()
+        s = discover_models(built.settings(tmp_path / "b", **kw))
+        assert _Models.hits == ["/v1/models"]
+        assert s.collectors.engine_model == "tiny"
+        mp, l1 = s.actuators
+        assert isinstance(mp, LMCacheMPSettings) and mp.model_name == "/models/tiny-root"
+        assert isinstance(l1, LMCacheL1Settings) and l1.model_name == "/models/tiny-root"
+        sc = built.sidecar(tmp_path / "c", **{**kw, "engine_model": "tiny", "actuators": s.actuators})
+        assert sc.plane.ctx.engine_model == "tiny" and sc.l1_keeper is not None
+        assert len(_Models.hits) == 1  # building still asked nothing
+        sc.plane.store.close()
+        given = built.settings(tmp_path / "d", engine_urls=[url], engine_model="served")
+        assert discover_models(given) is given and len(_Models.hits) == 1  # nothing to discover: no request
+    down = discover_models(built.settings(tmp_path / "e", engine_urls=["http://127.0.0.1:9"]))
+    assert down.collectors.engine_model == ""  # unreachable: logged, the sidecar still starts
