@@ -45,10 +45,9 @@ TARGET_BYTES = 256.0
 def run_one(n: int, policy: str = "none", ticks: int = 60, seed: int = 0) -> dict[str, Any]:
     from prometheus_client import CollectorRegistry
 
-    from kvtier.controller.loop import ReconcileLoop
     from kvtier.controller.metrics import ControllerMetrics
     from kvtier.controller.policy_doc import PolicyDoc, TierConfig
-    from kvtier.controller.runtime import make_placement
+    from kvtier.controller.root import build_loop
     from kvtier.policies.base import Request
     from kvtier.policies.index import BlockIndex
     from kvtier.policies.tiers import Tier
@@ -100,9 +99,9 @@ def run_one(n: int, policy: str = "none", ticks: int = 60, seed: int = 0) -> dic
     )
     now = [3_600.0]
     reg = CollectorRegistry()
-    loop = ReconcileLoop(idx, policy=doc, metrics=ControllerMetrics(reg), clock=lambda: now[0])
-    if policy != "none":
-        loop.placement = make_placement(loop, policy, Tier.CPU, lambda: now[0])
+    placement = None if policy == "none" else policy
+    loop = build_loop(idx, policy=doc, metrics=ControllerMetrics(reg), clock=lambda: now[0],
+                      placement_policy=placement, placement_tier=Tier.CPU)  # fmt: skip
     durs, cpus = [], []
     feed_cpu = 0.0
     fed = 0

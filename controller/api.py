@@ -485,8 +485,8 @@ def status_extra(ctx: ControlContext) -> dict[str, Any]:
     return {"controller": st, "mode": st["mode"]}
 
 
-def add_control_routes(app: FastAPI, ctx: ControlContext, *, with_status: bool = False) -> None:
-    """Mount the policy API on ``app``; ``with_status`` also serves ``/v1/status`` (standalone use)."""
+def add_control_routes(app: FastAPI, ctx: ControlContext) -> None:
+    """Mount the policy API on ``app`` (``/v1/status`` is the sidecar's, extended by :func:`status_extra`)."""
     app.include_router(build_router(ctx))
     app.state.control = ctx
     guard_kw = dict(token=ctx.api_token, allowed_hosts=ctx.allowed_hosts, max_body_bytes=ctx.max_body_bytes,
@@ -494,11 +494,6 @@ def add_control_routes(app: FastAPI, ctx: ControlContext, *, with_status: bool =
     app.add_middleware(RequestGuard, **guard_kw)  # type: ignore[arg-type]
     app.state.guard_token = ctx.api_token
     install_error_handlers(app)
-    if with_status:
-
-        @app.get("/v1/status", tags=["status"])
-        def status() -> dict[str, Any]:
-            return status_extra(ctx)
 
 
 def install_error_handlers(app: FastAPI) -> None:

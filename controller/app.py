@@ -1,8 +1,10 @@
-"""The sidecar's HTTP API (FastAPI app factory): /metrics, /v1/status, /healthz, /readyz.
+"""The one FastAPI app factory: :func:`create_app` serves a :class:`~kvtier.controller.sidecar.Sidecar`
+(built by :func:`kvtier.controller.root.build_sidecar`) -- /metrics, /v1/status, /healthz, /readyz and the
+policy API (/v1/policy, /v1/pins, /v1/decisions, ...; OpenAPI at /docs).
 
-``create_app(sidecar)`` returns the app; other subsystems add their routers with ``app.include_router`` and
-reach shared state through ``request.app.state.sidecar`` (a :class:`~kvtier.controller.sidecar.Sidecar`).
-With ``manage_lifecycle=True`` the app's lifespan starts and stops the sidecar's collector loops.
+``kvtier serve``, ``kvtier demo`` and the tests all serve this app; extra routes (the status page, the demo's
+``/v1/demo``) are added to it, and handlers reach shared state through ``request.app.state.sidecar``.
+With ``manage_lifecycle=True`` the app's lifespan starts and stops the sidecar.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pydantic import BaseModel, Field
 
 from kvtier import __version__
 from kvtier.controller.sidecar import Sidecar
+from kvtier.controller.tracing import instrument_app
 
 
 class Health(BaseModel):
@@ -63,7 +66,8 @@ def declare_bearer_auth(app: FastAPI) -> None:
 
 
 def create_app(sidecar: Sidecar, *, manage_lifecycle: bool = True, title: str = "kvtier") -> FastAPI:
-    """Build the API around ``sidecar``."""
+    """The API around ``sidecar``; ``manage_lifecycle``: the lifespan runs :meth:`Sidecar.start` and
+    :meth:`Sidecar.stop` (False when the caller drives the sidecar, e.g. a test's TestClient without it)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -111,6 +115,8 @@ def create_app(sidecar: Sidecar, *, manage_lifecycle: bool = True, title: str = 
         ready, detail = sidecar.readiness()
         return JSONResponse(detail, status_code=200 if ready else 503)
 
+    sidecar.plane.mount(app)
+    instrument_app(app, sidecar.tracer_provider)
     return app
 
 

@@ -2,7 +2,7 @@
 
 - ``no_offload``: vLLM's HBM prefix cache only (what tiering is worth);
 - ``default``: the cache layer's own default tiering (LMCache-like L1 LRU written through to L2);
-- ``kvtier``: the same layer, driven by the real, unchanged :class:`ControlledSidecar` in active mode
+- ``kvtier``: the same layer, driven by the real, unchanged sidecar (``build_sidecar``) in active mode
   through the ``memory`` actuator, on the simulation's clock (injected: the sidecar reads simulated time).
   Its index is fed by the layer's residency reports, its placement policy by the arriving requests, and its
   ticks run every ``tick_interval_s`` of simulated time; ``/``, ``/metrics`` and the API are served while it
@@ -106,7 +106,8 @@ class KvtierArm:
     def __init__(self, sc: Scenario, reqs: list[Request], opts: DemoOptions) -> None:
         from prometheus_client import Gauge
 
-        from kvtier.controller.control_sidecar import ControlledSidecar, create_controlled_app
+        from kvtier.controller.app import create_app
+        from kvtier.controller.root import build_sidecar
         from kvtier.controller.settings import Settings
         from kvtier.controller.status_page import install_status_page
         from kvtier.controller.store import StateStore
@@ -140,14 +141,14 @@ class KvtierArm:
             }
         )
         ingestor = _sim_ingestor(settings.collectors.index_max_blocks)
-        self.sidecar = ControlledSidecar(settings, ingestor=ingestor, clock=self.clock)
-        self.sidecar.emulated_engine = True  # no engine URL: the simulator is the engine
+        # no engine URL: the simulator is the engine
+        self.sidecar = build_sidecar(settings, ingestor=ingestor, clock=self.clock, emulated_engine=True)
         self.layer.observer = IndexReporter(self.sidecar.ingestor.index, sc.block_bytes, self.t0_s)
         self.loop = self.sidecar.plane.loop
         act = self.loop.actuators[0]
         assert isinstance(act, MemoryActuator)
         self.actuator = act
-        self.app = create_controlled_app(self.sidecar)
+        self.app = create_app(self.sidecar)
         self.history = install_status_page(self.app, self.sidecar.registry)
         self.baselines: dict[str, dict[str, Any]] = {}  # the other arms' figures, set before run()
         self.baseline_records: dict[str, list[Any]] = {}

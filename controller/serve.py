@@ -50,10 +50,11 @@ def serve(
     import uvicorn
 
     from kvtier import __version__
-    from kvtier.controller.control_sidecar import ControlledSidecar, create_controlled_app
+    from kvtier.controller.app import create_app
+    from kvtier.controller.collection import PeerNotAvailable
     from kvtier.controller.logs import configure_logging
+    from kvtier.controller.root import build_sidecar, discover_models
     from kvtier.controller.settings import load_settings
-    from kvtier.controller.sidecar import PeerNotAvailable
     from kvtier.usage import check_listen, describe, fail
 
     try:
@@ -66,7 +67,8 @@ def serve(
         )  # fmt: skip
         host, port = settings.serve.listen_host_port
         configure_logging(settings.serve.log_level, json_lines=settings.serve.log_json)
-        sidecar = ControlledSidecar(settings, reset_state=reset_state)
+        settings = discover_models(settings)  # the one blocking look-up, before anything is built
+        sidecar = build_sidecar(settings, reset_state=reset_state)
     except (PeerNotAvailable, ValueError, OSError) as exc:
         fail(describe(exc))
     check_listen(host, port)  # a busy port is one line now, not a traceback after start-up
@@ -86,7 +88,7 @@ def serve(
         )
     from kvtier.controller.status_page import install_status_page
 
-    app = create_controlled_app(sidecar)
+    app = create_app(sidecar)
     install_status_page(app, sidecar.registry)  # the status page at /
     # the ~100k objects of the imported modules live forever: keep them out of the cyclic GC, whose full
     # collections would otherwise cost tens of ms each (a tick-latency spike when one lands in a tick)

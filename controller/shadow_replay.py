@@ -19,10 +19,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from kvtier.controller.loop import ReconcileLoop, TickReport
+from kvtier.controller.loop import TickReport
 from kvtier.controller.metrics import ControllerMetrics
 from kvtier.controller.policy_doc import PolicyDoc, TierConfig
-from kvtier.controller.runtime import make_placement
+from kvtier.controller.root import build_loop
 from kvtier.policies.base import Request
 from kvtier.policies.index import BlockIndex
 from kvtier.policies.tiers import Tier, TierHardware
@@ -61,15 +61,15 @@ def run_shadow_replay(
     )
     idx = BlockIndex()
     now = [requests[0].timestamp_ms / 1000.0 if requests else 0.0]
-    loop = ReconcileLoop(
+    loop = build_loop(
         idx,
         policy=doc,
         metrics=ControllerMetrics(CollectorRegistry()),
         clock=lambda: now[0],
+        placement_policy=policy_name,
+        placement_tier=Tier.CPU,
         assume_admittable=True,
     )
-    if policy_name:
-        loop.placement = make_placement(loop, policy_name, Tier.CPU, lambda: now[0])
     # vLLM's prefix cache in the simulator (no offload); nbytes 0: the loop prices blocks by the document
     layer = CacheLayer([TierHardware(Tier.GPU, gpu_blocks, 1e15, 1e15)], 0, offload=False,
                        observer=IndexReporter(idx, 0))  # fmt: skip

@@ -8,7 +8,7 @@ model for ``vllm-warmup``).
 
 The settings' actuator union (:data:`kvtier.controller.settings.ActuatorSettings`) has one more kind,
 ``lmcache-l1``: the LMCache L1 keeper acts beside the reconcile loop rather than for the planner, so it is no
-:class:`Actuator`; ``control_sidecar.build_keeper`` builds it on its own ``lmcache-mp`` adapter."""
+:class:`Actuator`; ``root.build_keeper`` builds it on its own ``lmcache-mp`` adapter."""
 
 from __future__ import annotations
 

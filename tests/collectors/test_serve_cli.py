@@ -101,12 +101,13 @@ def test_down_engine_does_not_stop_the_sidecar(tmp_path: Path) -> None:
         p.wait(timeout=30)
 
 
-def test_cache_layer_flag_builds_its_collector() -> None:
+def test_cache_layer_flag_builds_its_collector(tmp_path: Path) -> None:
+    from kvtier.controller.root import build_sidecar
     from kvtier.controller.settings import Settings
-    from kvtier.controller.sidecar import Sidecar
 
-    sc = Sidecar(Settings.model_validate(dict(mooncake_urls=["http://127.0.0.1:1"], storage_enabled=False)))
-    assert [c.kind for c in sc.cache_collectors] == ["mooncake"]
+    s = dict(mooncake_urls=["http://127.0.0.1:1"], storage_enabled=False, state_dir=str(tmp_path))
+    sc = build_sidecar(Settings.model_validate(s))
+    assert [c.kind for c in sc.collectors.cache_collectors] == ["mooncake"]
     layers = json.loads(json.dumps(sc.status()))["cache_layers"]
     assert [(c["kind"], c["url"]) for c in layers] == [("mooncake", "http://127.0.0.1:1")]
 

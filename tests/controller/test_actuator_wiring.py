@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.controller.runtime import make_actuator
+from kvtier.controller.root import make_actuator
 
 
 def test_lmcache_controller_actuator_uses_the_controller_url_flag() -> None:

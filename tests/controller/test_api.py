@@ -6,12 +6,12 @@ from pathlib import Path
 from typing import Any
 
 from fastapi.testclient import TestClient
-from prometheus_client import CollectorRegistry
 
-from kvtier.controller.runtime import ControlPlane, build_control_plane, create_control_app
+from kvtier.controller.plane import ControlPlane
 from kvtier.policies.index import BlockIndex
 from kvtier.policies.prefix_hash import block_hashes
 from kvtier.policies.tiers import Tier
+from tests.controller import built
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -33,12 +33,10 @@ def plane(
     placement_policy: str | None = "learned",
     allow_active: bool = True,
 ) -> tuple[ControlPlane, TestClient]:
-    reg = CollectorRegistry()
-    p = build_control_plane(
-        index or BlockIndex(), registry=reg, state_dir=tmp, api_token=token, clock=clock or Clock(),
-        placement_policy=placement_policy, allow_active=allow_active,
-    )  # fmt: skip
-    return p, TestClient(create_control_app(p, reg))
+    """The production composition (settings -> build_sidecar -> create_app) over ``index``."""
+    sc = built.sidecar(tmp, index=index or BlockIndex(), clock=clock or Clock(), api_token=token,
+                       policy=placement_policy or "none", allow_active=allow_active)  # fmt: skip
+    return sc.plane, built.client(sc)
 
 
 def test_policy_get_put_patch_and_422_messages(tmp_path: Path) -> None:

@@ -10,15 +10,12 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry
-
 from kvtier.collectors.kv_ingest import KvIngestor
 from kvtier.collectors.vllm_events import BlockRemoved, BlockStored, DecodedBatch
-from kvtier.controller.control_sidecar import ControlSink
 from kvtier.controller.policy_doc import PolicyDoc, TierConfig
-from kvtier.controller.runtime import build_control_plane
 from kvtier.policies.index import BlockIndex
 from kvtier.policies.tiers import Tier
+from tests.controller import built
 
 
 def test_loop_ticks_cleanly_while_the_bounded_index_reclaims(tmp_path: Path) -> None:
@@ -33,10 +30,8 @@ def test_loop_ticks_cleanly_while_the_bounded_index_reclaims(tmp_path: Path) -> 
             TierConfig(tier=Tier.CPU, capacity_blocks=800),
         ],
     )
-    plane = build_control_plane(
-        idx, registry=CollectorRegistry(), state_dir=tmp_path, mode="shadow", clock=lambda: now[0], policy=doc
-    )
-    ing.sinks.append(ControlSink(plane))
+    # the production composition: the root hangs its ControlSink on the ingestor
+    plane = built.sidecar(tmp_path, ingestor=ing, mode="shadow", clock=lambda: now[0], doc=doc).plane
     loop = plane.loop
     prefixes = [[rng.getrandbits(63) for _ in range(6)] for _ in range(40)]  # shared prefixes come back
     live: list[int] = []

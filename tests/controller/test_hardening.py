@@ -1,5 +1,5 @@
 """Hardening (issue 18): every probe that used to break the sidecar, re-run against a real uvicorn server on
-127.0.0.1 (the real ControlledSidecar app, real SQLite state dir). Bounded in count and time."""
+127.0.0.1 (``kvtier serve``'s composition and app, real SQLite state dir). Bounded in count and time."""
 
 from __future__ import annotations
 
@@ -20,12 +20,13 @@ import uvicorn
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvtier.collectors.vllm_metrics import VllmMetricsCollector
-from kvtier.controller.control_sidecar import ControlledSidecar, create_controlled_app
+from kvtier.controller.app import create_app
 from kvtier.controller.http_protocol import deadline_protocol
-from kvtier.controller.runtime import build_control_plane
+from kvtier.controller.root import build_sidecar
 from kvtier.controller.settings import Settings, load_settings
+from kvtier.controller.sidecar import Sidecar
 from kvtier.controller.store import StateStore
-from kvtier.policies.index import BlockIndex
+from tests.controller import built
 from tests.peers.sidecar import wait_for
 from tests.peers.vllm import free_port
 
@@ -34,14 +35,14 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 class Server:
-    """The real ``kvtier serve`` app (ControlledSidecar, no peers) under uvicorn in a thread."""
+    """The real ``kvtier serve`` app (``build_sidecar``, ``create_app``; no peers) under uvicorn, a thread."""
 
     def __init__(self, tmp: Path, **settings: object) -> None:
         self.port = free_port()
         kw: dict[str, object] = {"listen": f"127.0.0.1:{self.port}", "state_dir": str(tmp / "state"),
                                  "storage_enabled": False, "policy": "none", **settings}  # fmt: skip
         self.settings = Settings(**kw)  # type: ignore[arg-type]
-        self.sidecar: ControlledSidecar | None = None
+        self.sidecar: Sidecar | None = None
         self.server: uvicorn.Server | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -58,8 +59,8 @@ class Server:
             self.error = exc
 
     async def _main(self) -> None:
-        self.sidecar = ControlledSidecar(self.settings)
-        app = create_controlled_app(self.sidecar)
+        self.sidecar = build_sidecar(self.settings)
+        app = create_app(self.sidecar)
         cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", http=self.protocol)
         self.server = uvicorn.Server(cfg)
         await self.server.serve()
@@ -270,7 +271,7 @@ def test_damaged_state_starts_on_defaults_with_error_metric(tmp_path: Path, dama
         con.commit()
         con.close()
     reg = CollectorRegistry()
-    plane = build_control_plane(BlockIndex(), registry=reg, state_dir=d, placement_policy=None)
+    plane = built.sidecar(d, registry=reg, policy="none").plane
     text = generate_latest(reg).decode()
     errs = {k: v for k, v in plane.store.errors.items() if v}
     if damage in ("garbage", "truncated", "newer_schema"):
@@ -344,13 +345,12 @@ def test_status_hides_stream_positions_without_token(srv: Server) -> None:
     from kvtier.collectors.vllm_kv_subscriber import KvEventSubscriber, KvSource
 
     assert srv.sidecar is not None
-    sc = srv.sidecar
+    sc = srv.sidecar.collectors
     sub = KvEventSubscriber("kv", "http://127.0.0.1:1", ingestor=sc.ingestor, client=sc.client,
                             registry=CollectorRegistry(), context=sc.zctx)  # fmt: skip
     sub._configure((KvSource(0, f"tcp://127.0.0.1:{free_port()}", None, ""),))
-    srv.sidecar.subscribers.append(sub)
-    srv.sidecar.metrics_collectors.append(srv.sidecar.metrics_collectors[0] if srv.sidecar.metrics_collectors
-                                          else _metrics(srv))  # fmt: skip
+    sc.subscribers.append(sub)
+    sc.metrics_collectors.append(sc.metrics_collectors[0] if sc.metrics_collectors else _metrics(srv))
     try:
         anon = httpx.get(srv.url + "/v1/status").json()["engines"][0]["kv_events"]["sources"][0]
         authed = httpx.get(srv.url + "/v1/status", headers=AUTH).json()["engines"][0]["kv_events"]["sources"][
@@ -365,7 +365,7 @@ def test_status_hides_stream_positions_without_token(srv: Server) -> None:
 def _metrics(srv: Server) -> VllmMetricsCollector:
     assert srv.sidecar is not None
     return VllmMetricsCollector(
-        "m", "http://127.0.0.1:1", client=srv.sidecar.client, registry=CollectorRegistry()
+        "m", "http://127.0.0.1:1", client=srv.sidecar.http, registry=CollectorRegistry()
     )
 
 

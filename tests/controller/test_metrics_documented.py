@@ -14,16 +14,17 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from kvtier.controller.control_sidecar import ControlledSidecar
+from kvtier.controller.root import build_sidecar
 from kvtier.controller.settings import Settings
+from kvtier.controller.sidecar import Sidecar
 
 CONFIGURED = {"layer"}  # label values that depend on what is configured (the actuators): a subset suffices
 METRICS_MD = Path(__file__).resolve().parents[2] / "dashboards" / "METRICS.md"
 
 
-def _sidecar(tmp_path: Path) -> ControlledSidecar:
+def _sidecar(tmp_path: Path) -> Sidecar:
     down = "http://127.0.0.1:9"
-    return ControlledSidecar(
+    return build_sidecar(
         Settings.model_validate(
             dict(
                 engine_urls=[down],

@@ -13,19 +13,18 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
-from fastapi.testclient import TestClient
-from prometheus_client import CollectorRegistry
 
 from kvtier.collectors.kv_ingest import KvIngestor
 from kvtier.collectors.vllm_events import BlockStored, decode_frames
-from kvtier.controller.control_sidecar import ControlSink
+from kvtier.controller.plane import ControlPlane
 from kvtier.controller.policy_doc import BudgetLimits, PolicyDoc, PredictorSettings, TierConfig
-from kvtier.controller.runtime import ControlPlane, build_control_plane, create_control_app
+from kvtier.controller.sidecar import Sidecar
 from kvtier.policies.base import Request
 from kvtier.policies.registry import get_policy
 from kvtier.policies.tiers import Tier
 from kvtier.replay.engine import replay
 from kvtier.replay.synthetic import multiturn_trace
+from tests.controller import built
 
 BS = 16  # engine block size, tokens
 
@@ -111,7 +110,7 @@ def replay_decisions(name: str, cap: int, reqs: list[Request], seed: int) -> lis
 
 def live_plane(
     tmp: Path, name: str, cap: int, seed: int, t0: float
-) -> tuple[ControlPlane, KvIngestor, Clock, CollectorRegistry]:
+) -> tuple[ControlPlane, KvIngestor, Clock, Sidecar]:
     clock = Clock(t0)
     doc = PolicyDoc(
         mode="shadow",
@@ -125,11 +124,8 @@ def live_plane(
         predictor=PredictorSettings(seed=seed),
     )
     ing = KvIngestor()
-    reg = CollectorRegistry()
-    plane = build_control_plane(ing.index, registry=reg, state_dir=tmp, clock=clock, policy=doc,
-                                placement_policy=name)  # fmt: skip
-    ing.sinks.append(ControlSink(plane))
-    return plane, ing, clock, reg
+    sc = built.sidecar(tmp, ingestor=ing, clock=clock, doc=doc, policy=name)  # the root adds the ControlSink
+    return sc.plane, ing, clock, sc
 
 
 def live_decisions(
@@ -204,7 +200,7 @@ def test_live_learned_matches_replay_through_retrains_and_reports_quality(tmp_pa
     reqs = as_events_trace(chains)
     cap = 400
     want = replay_decisions("learned", cap, reqs, seed=1)
-    plane, ing, clock, reg = live_plane(tmp_path, "learned", cap, 1, chains[0][0] / 1000.0)
+    plane, ing, clock, sc = live_plane(tmp_path, "learned", cap, 1, chains[0][0] / 1000.0)
     got = live_decisions(plane, ing, clock, chains)
     bad = [i for i, (w, g) in enumerate(zip(want, got, strict=True)) if w != g]
     assert not bad, f"first mismatch at request {bad[0]}: live {got[bad[0]]} != replay {want[bad[0]]}"
@@ -214,7 +210,7 @@ def test_live_learned_matches_replay_through_retrains_and_reports_quality(tmp_pa
     assert loop.placement is not None
     q = loop.placement.policy.quality()  # type: ignore[attr-defined]
     assert q["trained"] and q["retrains"] >= 1 and q["auc"] is not None
-    c = TestClient(create_control_app(plane, reg))
+    c = built.client(sc)
     m = c.get("/v1/model").json()
     assert m["predictor"] == "policy:learned" and m["trained"] is True
     for k in ("auc", "auc_first_touch", "auc_retouched", "fallback_auc", "beat_fallback_rate"):

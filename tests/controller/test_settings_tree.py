@@ -144,7 +144,7 @@ def test_actuator_options_follow_the_actuator_wherever_it_is_named(
     """A config file's options for an actuator apply when a flag or the environment names it (``kvtier bench``
     starts ``kvtier serve --config F --actuator lmcache-l1`` with the keeper's knobs in F); the L1 keeper the
     sidecar builds gets them."""
-    from kvtier.controller.control_sidecar import ControlledSidecar
+    from kvtier.controller.root import build_sidecar
     from kvtier.controller.settings import LMCacheL1Settings
 
     for k in [k for k in os.environ if k.startswith("KVTIER_")]:
@@ -167,7 +167,7 @@ def test_actuator_options_follow_the_actuator_wherever_it_is_named(
     )
     (l1,) = s.actuators  # ... and a name alone takes the file's entry of that kind
     assert isinstance(l1, LMCacheL1Settings) and l1.measure_every_s == 3.0
-    sc = ControlledSidecar(s)
+    sc = build_sidecar(s)
     assert sc.l1_keeper is not None and sc.l1_keeper.measure_every_s == 3.0
     assert sc.plane.loop.actuators == []  # the keeper is not a planner actuator
     monkeypatch.setenv("KVTIER_WARMUP_TOKENS_PER_S", "5")  # flat options alone do not clear a file's list

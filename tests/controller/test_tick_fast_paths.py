@@ -138,7 +138,7 @@ def _loop_with_policy(predictor: _Kept):  # type: ignore[no-untyped-def]
     from kvtier.controller.loop import ReconcileLoop
     from kvtier.controller.metrics import ControllerMetrics
     from kvtier.controller.policy_doc import PolicyDoc, TierConfig
-    from kvtier.controller.runtime import make_placement
+    from kvtier.controller.root import make_placement
     from kvtier.policies.base import Request
     from kvtier.policies.tiers import Tier
 

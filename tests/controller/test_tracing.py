@@ -21,19 +21,18 @@ import pytest
 from fastapi.testclient import TestClient
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
-from prometheus_client import CollectorRegistry
 
 from kvtier.controller.actuators.vllm_warmup import VllmWarmupActuator, WarmupBudget
+from kvtier.controller.app import create_app
 from kvtier.controller.logs import configure_logging
-from kvtier.controller.runtime import build_control_plane, create_control_app
+from kvtier.controller.root import build_sidecar
 from kvtier.controller.tracing import (
-    instrument_app,
     instrument_http,
     make_tracer,
     make_tracer_provider,
     uninstrument_http,
 )
-from kvtier.policies.index import BlockIndex
+from tests.controller import built
 from tests.peers.http_server import serving
 
 TOKEN = "trace-token"
@@ -69,22 +68,20 @@ def traced(tmp_path: Path) -> Iterator[dict[str, Any]]:
     instrument_http(provider)
     with serving(Completions) as url:
         act = VllmWarmupActuator(url.rstrip("/"), "tiny", budget=WarmupBudget(1e6, 100))
-        plane = build_control_plane(BlockIndex(), registry=CollectorRegistry(), state_dir=tmp_path,
-                                    actuators=[act], tracer=make_tracer(provider),
-                                    api_token=TOKEN, allow_active=True)  # fmt: skip
-        app = create_control_app(plane, CollectorRegistry())
-        instrument_app(app, provider)
+        sc = build_sidecar(built.settings(tmp_path, api_token=TOKEN, allow_active=True), actuators=[act],
+                           tracer_provider=provider)  # fmt: skip
+        app = create_app(sc, manage_lifecycle=False)
         try:
-            yield {"plane": plane, "app": app, "exporter": exporter}
+            yield {"plane": sc.plane, "app": app, "exporter": exporter}
         finally:
             uninstrument_http()
             act.close()
-            plane.store.close()
+            sc.plane.store.close()
 
 
 def test_actuation_span_carries_the_http_client_span_and_traceparent(traced: dict[str, Any]) -> None:
     plane, exporter = traced["plane"], traced["exporter"]
-    with TestClient(traced["app"]) as c:
+    with TestClient(traced["app"], base_url="http://127.0.0.1") as c:
         assert c.patch("/v1/policy", json={"mode": "active"}, headers=AUTH).status_code == 200
         bs = plane.loop.policy.block_size_tokens
         r = c.post("/v1/pins", json={"token_ids": list(range(1, 2 * bs + 1)), "tier": "gpu"}, headers=AUTH)

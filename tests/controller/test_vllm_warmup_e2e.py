@@ -19,13 +19,14 @@ import httpx
 import pytest
 import uvicorn
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.controller.actuators.vllm_warmup import VllmWarmupActuator, WarmupBudget
-from kvtier.controller.runtime import ControlPlane, build_control_plane, create_control_app
-from kvtier.controller.tracing import make_tracer, make_tracer_provider
-from kvtier.policies.index import BlockIndex
+from kvtier.controller.app import create_app
+from kvtier.controller.root import build_sidecar, discover_models
+from kvtier.controller.sidecar import Sidecar
+from kvtier.controller.tracing import make_tracer_provider
+from tests.controller import built
 from tests.peers import vllm as vllm_peer
 
 pytestmark = pytest.mark.vllm
@@ -51,14 +52,14 @@ def vllm() -> Iterator[vllm_peer.VllmServer]:
 
 
 class Served:
-    def __init__(
-        self, plane: ControlPlane, registry: CollectorRegistry, exporter: InMemorySpanExporter
-    ) -> None:
-        self.plane, self.registry, self.exporter = plane, registry, exporter
+    """The production app around ``sc`` on uvicorn; the test ticks the loop itself (lifecycle not managed)."""
+
+    def __init__(self, sc: Sidecar, exporter: InMemorySpanExporter) -> None:
+        self.sidecar, self.plane, self.registry, self.exporter = sc, sc.plane, sc.registry, exporter
         port = vllm_peer.free_port()
         self.url = f"http://127.0.0.1:{port}"
         cfg = uvicorn.Config(
-            create_control_app(plane, registry), host="127.0.0.1", port=port, log_level="warning"
+            create_app(sc, manage_lifecycle=False), host="127.0.0.1", port=port, log_level="warning"
         )
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -76,28 +77,19 @@ class Served:
 
 @pytest.fixture()
 def sidecar(vllm: vllm_peer.VllmServer, tmp_path: Path) -> Iterator[Served]:
-    registry = CollectorRegistry()
     exporter = InMemorySpanExporter()
-    tracer = make_tracer(make_tracer_provider(exporter=exporter, simple=True))
     act = VllmWarmupActuator(vllm.url, vllm.served_model_name, budget=WarmupBudget(4096, 4))
-    plane = build_control_plane(
-        BlockIndex(),
-        registry=registry,
-        state_dir=tmp_path,
-        actuators=[act],
-        tracer=tracer,
-        api_token=TOKEN,
-        engine_url=vllm.url,
-        engine_model=vllm.served_model_name,
-        allow_active=True,
-    )
-    s = Served(plane, registry, exporter)
+    settings = built.settings(tmp_path, engine_urls=[vllm.url], engine_model=vllm.served_model_name,
+                              api_token=TOKEN, allow_active=True)  # fmt: skip
+    sc = build_sidecar(settings, actuators=[act],
+                       tracer_provider=make_tracer_provider(exporter=exporter, simple=True))  # fmt: skip
+    s = Served(sc, exporter)
     try:
         yield s
     finally:
         s.stop()
         act.close()
-        plane.store.close()
+        sc.plane.store.close()
 
 
 def test_pin_warms_prefix_into_vllm_gpu_cache(vllm: vllm_peer.VllmServer, sidecar: Served) -> None:
@@ -162,7 +154,6 @@ def test_serve_path_pin_warm_then_index_confirms_and_loop_goes_quiet(
     vllm: vllm_peer.VllmServer, tmp_path: Path
 ) -> None:
     """The ``kvtier serve`` wiring (collectors + KV events + reconcile loop + API on one uvicorn app)."""
-    from kvtier.controller.control_sidecar import ControlledSidecar, create_controlled_app
     from kvtier.controller.settings import Settings
 
     settings = Settings.model_validate(
@@ -177,12 +168,10 @@ def test_serve_path_pin_warm_then_index_confirms_and_loop_goes_quiet(
             discovery_interval_s=0.5,
         )
     )
-    sc = ControlledSidecar(settings)
+    sc = build_sidecar(discover_models(settings))  # as kvtier serve: the served model's name, then build
     sc.plane.loop.policy = sc.plane.loop.policy.model_copy(update={"tick_interval_s": 0.2})
     port = vllm_peer.free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_controlled_app(sc), host="127.0.0.1", port=port, log_level="warning")
-    )
+    server = uvicorn.Server(uvicorn.Config(create_app(sc), host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
     c = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)

@@ -1,9 +1,11 @@
-"""Run a real kvtier sidecar (collectors + uvicorn API on a free 127.0.0.1 port) in a background thread."""
+"""Run a real kvtier sidecar in a background thread: ``build_sidecar`` + ``create_app`` as ``kvtier serve``
+does, on uvicorn on a free 127.0.0.1 port, its state in a temporary directory."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +15,7 @@ import httpx
 import uvicorn
 
 from kvtier.controller.app import create_app
+from kvtier.controller.root import build_sidecar
 from kvtier.controller.settings import Settings
 from kvtier.controller.sidecar import Sidecar
 from tests.peers.vllm import free_port
@@ -23,9 +26,9 @@ class SidecarThread:
 
     def __init__(self, settings: Settings) -> None:
         self.port = free_port()
-        self.settings = settings.model_copy(
-            update={"serve": settings.serve.model_copy(update={"listen": f"127.0.0.1:{self.port}"})}
-        )
+        self._state = tempfile.TemporaryDirectory(prefix="kvtier-sidecar-")
+        serve = {"listen": f"127.0.0.1:{self.port}", "state_dir": self._state.name}
+        self.settings = settings.model_copy(update={"serve": settings.serve.model_copy(update=serve)})
         self.sidecar: Sidecar | None = None
         self._server: uvicorn.Server | None = None
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvtier-sidecar")
@@ -42,7 +45,7 @@ class SidecarThread:
             self._error = exc
 
     async def _main(self) -> None:
-        self.sidecar = Sidecar(self.settings)
+        self.sidecar = build_sidecar(self.settings)
         cfg = uvicorn.Config(create_app(self.sidecar), host="127.0.0.1", port=self.port, log_level="warning")
         self._server = uvicorn.Server(cfg)
         await self._server.serve()
@@ -57,6 +60,7 @@ class SidecarThread:
         if self._server is not None:
             self._server.should_exit = True
         self._thread.join(timeout=30)
+        self._state.cleanup()
 
     def get(self, path: str) -> httpx.Response:
         return httpx.get(self.url + path, timeout=10.0)
