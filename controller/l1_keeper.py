@@ -215,7 +215,7 @@ class L1Keeper:
                 if self._stop:
                     return
                 now = self.clock()
-                items = []
+                items: list[tuple[float, int, float, ObjectKey | tuple[int, ...]]] = []
                 while self._due and self._due[0][0] <= now and len(items) < self.max_batch:
                     items.append(heapq.heappop(self._due))
                 if not items:

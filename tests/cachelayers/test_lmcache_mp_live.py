@@ -316,7 +316,7 @@ def test_keeper_drops_a_prompts_first_sight_chunks_in_one_call_and_keeps_their_l
             deletes.append(len(body["keys"]))
         return request(method, path, body)
 
-    act.caller.request = spy  # type: ignore[method-assign]
+    act.caller.request = spy  # type: ignore[method-assign,assignment]
     keeper = L1Keeper(act, chain_tokens=lambda _h: tuple(toks), is_active=lambda: True,
                       registry=CollectorRegistry(), delay_s=0.0)  # fmt: skip
     keeper.core.require_calibration = False
