@@ -110,7 +110,7 @@ class KvtierArm:
         from kvtier.controller.settings import Settings
         from kvtier.controller.status_page import install_status_page
         from kvtier.controller.store import StateStore
-        from kvtier.controller.tier_metrics import TierMetrics
+        from kvtier.controller.tier_metrics import PerTierMetrics
         from kvtier.replay.sim.actuator import MemoryActuator
         from kvtier.replay.sim.report import IndexReporter
         from kvtier.replay.sim.run import make_layer
@@ -153,7 +153,7 @@ class KvtierArm:
         self.baseline_records: dict[str, list[Any]] = {}
         self.running = False
         self.app.add_api_route("/v1/demo", self.state, methods=["GET"], summary="The demo's arms so far")
-        self.tier_metrics = TierMetrics(self.sidecar.registry)
+        self.tier_metrics = PerTierMetrics(self.sidecar.registry)
         for h in sc.tiers:
             self.tier_metrics.capacity.labels(tier=h.tier.value).set(h.capacity_blocks * sc.block_bytes)
         reg = self.sidecar.registry
