@@ -7,19 +7,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import fields
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
+    GetCoreSchemaHandler,
     GetJsonSchemaHandler,
     field_validator,
     model_validator,
 )
 from pydantic.json_schema import JsonSchemaValue
-from pydantic_core import PydanticCustomError
+from pydantic_core import CoreSchema, PydanticCustomError
 
 from kvtier.policies.planner import LinkBudget, PlannerConfig
 from kvtier.policies.tiers import NOT_IN_POLICY_DOC, Tier, TierSpec
@@ -55,6 +56,13 @@ class _PlannerTierSchema:
     fields (they are not accepted, see :func:`_doc_keys_only`, nor returned: their metadata excludes them)."""
 
     @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        # a copy of the dataclass' schema under the document's own name (the JSON schema's $defs key)
+        schema = dict(handler.resolve_ref_schema(handler(source)))
+        schema["ref"] = f"{__name__}.TierConfig"
+        return cast(CoreSchema, schema)
+
+    @classmethod
     def __get_pydantic_json_schema__(cls, schema: Any, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
         ref = handler(schema)
         out = handler.resolve_ref_schema(ref)  # the definition itself: edited in place, referenced by ``ref``
@@ -68,7 +76,7 @@ class _PlannerTierSchema:
 _TIER_DOC_FIELDS = tuple(f.name for f in fields(TierSpec) if f.name not in NOT_IN_POLICY_DOC)
 # one tier of the document: the one tier model, validated by pydantic (bounds and descriptions come from
 # the dataclass fields' metadata; its __post_init__ checks the watermark order)
-DocTier = Annotated[TierSpec, BeforeValidator(_doc_keys_only), _PlannerTierSchema]
+DocTier = Annotated[TierSpec, _PlannerTierSchema, BeforeValidator(_doc_keys_only)]
 
 
 class BudgetLimits(_Strict):

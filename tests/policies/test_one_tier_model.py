@@ -83,7 +83,8 @@ def test_policy_document_keeps_its_json_and_one_line_errors() -> None:
         "tier", "capacity_blocks", "high_watermark", "low_watermark", "load_bandwidth_bytes_s"
     }  # fmt: skip
     schema = PolicyDoc.model_json_schema()["$defs"]
-    (tier_schema,) = [s for s in schema.values() if s.get("title") == "TierConfig"]
+    tier_schema = schema["TierConfig"]  # the OpenAPI component keeps its name
+    assert tier_schema["title"] == "TierConfig" and "TierSpec" not in schema
     assert sorted(tier_schema["properties"]) == [
         "capacity_blocks", "high_watermark", "load_bandwidth_bytes_s", "low_watermark", "tier"
     ]  # fmt: skip
