@@ -184,7 +184,7 @@ def fit_probe(rows: Sequence[dict[str, float]], kv_bytes_per_token: int = 1024) 
 def with_rates(sc: Any, fit: dict[str, float]) -> Any:
     """The scenario with the probe's costs: fixed cost per engine step, prefill per token (no position
     term: not resolvable on this model), the L1 and L2 read links."""
-    from kvtier.policies.tiers import Tier, TierHardware
+    from kvtier.policies.tiers import Tier
 
     comp = replace(sc.compute, prefill_a_s=fit["prefill_s_per_token"], prefill_b_s=0.0,
                    step_overhead_s=fit["c0_s"])  # fmt: skip
@@ -192,8 +192,9 @@ def with_rates(sc: Any, fit: dict[str, float]) -> Any:
     for h in sc.tiers:
         key = {Tier.CPU: "l1", Tier.DISK: "l2"}.get(h.tier)
         if key is not None:
-            h = TierHardware(h.tier, h.capacity_blocks, fit[f"{key}_read_bytes_s"], h.write_bytes_s,
-                             fit[f"{key}_latency_s"])  # fmt: skip
+            h = replace(h, load_bandwidth_bytes_s=fit[f"{key}_read_bytes_s"],
+                        write_bandwidth_bytes_s=h.write_bytes_s,
+                        latency_s=fit[f"{key}_latency_s"])  # fmt: skip
         tiers.append(h)
     return replace(sc, compute=comp, tiers=tuple(tiers))
 
@@ -291,7 +292,8 @@ def run(n: int, *, rates: str = "measured", probe_reps: int = 6, scenario: str =
             "step_overhead_s": sc.compute.step_overhead_s,
             "prefill_s_per_token": sc.compute.prefill_a_s,
             "links": {
-                h.tier.value: {"read_bytes_s": h.read_bytes_s, "latency_s": h.latency_s} for h in sc.tiers[1:]
+                h.tier.value: {"read_bytes_s": h.load_bandwidth_bytes_s, "latency_s": h.latency_s}
+                for h in sc.tiers[1:]
             },  # fmt: skip
         },
     }

@@ -46,11 +46,11 @@ def run_one(n: int, policy: str = "none", ticks: int = 60, seed: int = 0) -> dic
     from prometheus_client import CollectorRegistry
 
     from kvtier.controller.metrics import ControllerMetrics
-    from kvtier.controller.policy_doc import PolicyDoc, TierConfig
+    from kvtier.controller.policy_doc import PolicyDoc
     from kvtier.controller.root import build_loop
     from kvtier.policies.base import Request
     from kvtier.policies.index import BlockIndex
-    from kvtier.policies.tiers import Tier
+    from kvtier.policies.tiers import Tier, TierSpec
     from kvtier.replay.trace import bundled_trace_path, load_trace
 
     rng = np.random.default_rng(seed)
@@ -88,13 +88,13 @@ def run_one(n: int, policy: str = "none", ticks: int = 60, seed: int = 0) -> dic
     doc = PolicyDoc(
         mode="shadow",
         tiers=[
-            TierConfig(
+            TierSpec(
                 tier=Tier.GPU, capacity_blocks=int(counts[Tier.GPU] * 1.02), load_bandwidth_bytes_s=1e12
             ),
-            TierConfig(
+            TierSpec(
                 tier=Tier.CPU, capacity_blocks=int(counts[Tier.CPU] * 1.10), load_bandwidth_bytes_s=2e10
             ),
-            TierConfig(tier=Tier.DISK, capacity_blocks=n, load_bandwidth_bytes_s=2e9),
+            TierSpec(tier=Tier.DISK, capacity_blocks=n, load_bandwidth_bytes_s=2e9),
         ],
     )
     now = [3_600.0]

@@ -28,7 +28,7 @@ from kvtier.collectors.storage import StorageCollector
 from kvtier.collectors.vllm_kv_subscriber import KvEventSubscriber
 from kvtier.collectors.vllm_metrics import VllmMetricsCollector, VllmMetricsObservation
 from kvtier.controller.settings import Settings
-from kvtier.controller.tier_view import TierView, TierViewExporter, build_tier_view
+from kvtier.controller.tier_view import PerTierView, PerTierViewExporter, build_tier_view
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class CollectorSet:
         if (
             settings.collectors.engine_urls or settings.collectors.lmcache_urls
         ):  # the demo serves these families from its emulation
-            self.registry.register(TierViewExporter(self.tier_view))
+            self.registry.register(PerTierViewExporter(self.tier_view))
 
     def _cache_collector(
         self, module: str, cls: str, flag: str, url: str, kw: dict[str, Any]
@@ -266,7 +266,7 @@ class CollectorSet:
         self.zctx.term()
 
     # ---- views --------------------------------------------------------------------------------------------
-    def tier_view(self) -> TierView:
+    def tier_view(self) -> PerTierView:
         """Per-tier hits, lookups and holdings from the latest vLLM and LMCache MP observations."""
         engines = [e for mc in self.metrics_collectors if mc.latest is not None for e in mc.latest.engines]
         layers = [c.latest for c in self.cache_collectors if c.kind == "lmcache_mp" and c.latest is not None]

@@ -34,7 +34,6 @@ from kvtier.controller.policy_doc import (
     LinkBudgetConfig,
     PolicyDoc,
     PredictorSettings,
-    TierConfig,
 )
 from kvtier.policies.base import Request
 from kvtier.replay.sim.scenario import Scenario
@@ -60,7 +59,7 @@ class DemoOptions:
 def policy_doc(sc: Scenario, reqs: list[Request], seed: int = 0) -> PolicyDoc:
     """The planner's tiers, budgets and recompute price, derived from the scenario's tier hardware and
     compute model (the same numbers the simulator runs)."""
-    from kvtier.policies.tiers import Tier
+    from kvtier.policies.tiers import HBM_BYTES_S, Tier, TierSpec
 
     bb = sc.block_bytes
     cpu = sc.tier(Tier.CPU)
@@ -69,14 +68,15 @@ def policy_doc(sc: Scenario, reqs: list[Request], seed: int = 0) -> PolicyDoc:
         if h.tier is Tier.GPU:
             bw = 1e15
         elif h.tier is Tier.CPU or cpu is None:
-            bw = h.read_bytes_s
+            bw = h.load_bandwidth_bytes_s
         else:  # loaded through L1: both links in series
-            bw = 1.0 / (1.0 / h.read_bytes_s + 1.0 / cpu.read_bytes_s)
-        tiers.append(TierConfig.from_hardware(h, bw))
+            bw = 1.0 / (1.0 / h.load_bandwidth_bytes_s + 1.0 / cpu.load_bandwidth_bytes_s)
+        # the planner's view of the tier: its capacity and the bandwidth a load from it into the engine gets
+        tiers.append(TierSpec(h.tier, h.capacity_blocks, load_bandwidth_bytes_s=min(bw, HBM_BYTES_S)))
     budgets = []
     for h in sc.tiers[2:]:  # moves between the layer's tiers may use half of each link
         for link, bps in (
-            (f"{h.tier.value}->cpu", h.read_bytes_s),
+            (f"{h.tier.value}->cpu", h.load_bandwidth_bytes_s),
             (f"cpu->{h.tier.value}", h.write_bytes_s),
         ):
             budgets.append(
@@ -111,7 +111,7 @@ class KvtierArm:
         from kvtier.controller.settings import Settings
         from kvtier.controller.status_page import install_status_page
         from kvtier.controller.store import StateStore
-        from kvtier.controller.tier_metrics import TierMetrics
+        from kvtier.controller.tier_metrics import PerTierMetrics
         from kvtier.replay.sim.actuator import MemoryActuator
         from kvtier.replay.sim.report import IndexReporter
         from kvtier.replay.sim.run import make_layer
@@ -154,7 +154,7 @@ class KvtierArm:
         self.baseline_records: dict[str, list[Any]] = {}
         self.running = False
         self.app.add_api_route("/v1/demo", self.state, methods=["GET"], summary="The demo's arms so far")
-        self.tier_metrics = TierMetrics(self.sidecar.registry)
+        self.tier_metrics = PerTierMetrics(self.sidecar.registry)
         for h in sc.tiers:
             self.tier_metrics.capacity.labels(tier=h.tier.value).set(h.capacity_blocks * sc.block_bytes)
         reg = self.sidecar.registry

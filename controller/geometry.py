@@ -13,14 +13,14 @@ the I/O; :func:`apply_geometry` is pure (policy document + geometry -> policy do
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.controller.policy_doc import PolicyDoc, TierConfig
-from kvtier.policies.tiers import Tier
+from kvtier.controller.policy_doc import PolicyDoc
+from kvtier.policies.tiers import Tier, TierSpec
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +86,9 @@ def apply_geometry(doc: PolicyDoc, geo: EngineGeometry) -> PolicyDoc:
     tiers = list(doc.tiers)
     gpu = next((i for i, t in enumerate(tiers) if t.tier is Tier.GPU), None)
     if gpu is None:
-        tiers.insert(0, TierConfig(tier=Tier.GPU, capacity_blocks=geo.num_gpu_blocks))
+        tiers.insert(0, TierSpec(tier=Tier.GPU, capacity_blocks=geo.num_gpu_blocks))
     else:
-        tiers[gpu] = tiers[gpu].model_copy(update={"capacity_blocks": geo.num_gpu_blocks})
+        tiers[gpu] = replace(tiers[gpu], capacity_blocks=geo.num_gpu_blocks)
     update: dict[str, Any] = {"tiers": tiers, "block_size_tokens": geo.block_size_tokens}
     if geo.block_bytes:
         update["block_bytes"] = geo.block_bytes

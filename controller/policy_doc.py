@@ -5,13 +5,25 @@ Units are in the field names. :meth:`PolicyDoc.planner_config` turns it into the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import fields
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema, PydanticCustomError
 
-from kvtier.policies.planner import LinkBudget, PlannerConfig, TierSpec
-from kvtier.policies.tiers import Tier, TierHardware
+from kvtier.policies.planner import LinkBudget, PlannerConfig
+from kvtier.policies.tiers import NOT_IN_POLICY_DOC, Tier, TierSpec
 
 Mode = Literal["off", "shadow", "active"]  # the one operating-mode vocabulary (settings, API, loop)
 LINK_PATTERN = r"^(gpu|cpu|disk|remote|none)->(gpu|cpu|disk|remote|none)$"
@@ -26,32 +38,45 @@ _PC: dict[str, Any] = {f.name: f.default for f in fields(PlannerConfig)}
 _LB: dict[str, Any] = {f.name: f.default for f in fields(LinkBudget)}
 
 
-class TierConfig(_Strict):
-    tier: Tier = Field(description="kvtier tier name: gpu, cpu, disk or remote")
-    capacity_blocks: int = Field(ge=0, le=10**10, description="blocks the planner may place in this tier")
-    high_watermark: float = Field(
-        default=0.95, ge=0.0, le=1.0, description="fraction of capacity that triggers shedding"
-    )
-    low_watermark: float = Field(default=0.85, ge=0.0, le=1.0, description="fraction shedding stops at")
-    load_bandwidth_bytes_s: float = Field(
-        default=1e10, gt=0, le=1e15, description="measured load bandwidth into the engine, bytes/s"
-    )
+def _doc_keys_only(v: Any) -> Any:
+    """A tier of the document carries the planner's fields only (the hardware-only ones stay out)."""
+    if isinstance(v, Mapping):
+        unknown = [k for k in v if k not in _TIER_DOC_FIELDS]
+        if unknown:
+            raise PydanticCustomError(
+                "unknown_tier_key",
+                "unknown key '{key}'; a tier takes " + ", ".join(_TIER_DOC_FIELDS),
+                {"key": str(unknown[0])},
+            )
+    return v
+
+
+class _PlannerTierSchema:
+    """JSON schema of a document tier: :class:`~kvtier.policies.tiers.TierSpec` without the hardware-only
+    fields (they are not accepted, see :func:`_doc_keys_only`, nor returned: their metadata excludes them)."""
 
     @classmethod
-    def from_hardware(cls, hw: TierHardware, load_bandwidth_bytes_s: float | None = None) -> TierConfig:
-        """The planner's view of one tier of the tier model: its capacity and the bandwidth a load from it
-        into the engine gets (default: the tier's read bandwidth)."""
-        return cls(tier=hw.tier, capacity_blocks=hw.capacity_blocks,
-                   load_bandwidth_bytes_s=min(load_bandwidth_bytes_s or hw.read_bytes_s, 1e15))  # fmt: skip
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        # a copy of the dataclass' schema under the document's own name (the JSON schema's $defs key)
+        schema = dict(handler.resolve_ref_schema(handler(source)))
+        schema["ref"] = f"{__name__}.TierConfig"
+        return cast(CoreSchema, schema)
 
-    @model_validator(mode="after")
-    def _marks(self) -> TierConfig:
-        if self.low_watermark > self.high_watermark:
-            raise ValueError(
-                f"tier {self.tier.value}: low_watermark ({self.low_watermark}) must be <= "
-                f"high_watermark ({self.high_watermark})"
-            )
-        return self
+    @classmethod
+    def __get_pydantic_json_schema__(cls, schema: Any, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        ref = handler(schema)
+        out = handler.resolve_ref_schema(ref)  # the definition itself: edited in place, referenced by ``ref``
+        for k in NOT_IN_POLICY_DOC:
+            out.get("properties", {}).pop(k, None)
+        out.pop("description", None)  # the dataclass docstring is for Python readers
+        out.update(title="TierConfig", additionalProperties=False)
+        return ref
+
+
+_TIER_DOC_FIELDS = tuple(f.name for f in fields(TierSpec) if f.name not in NOT_IN_POLICY_DOC)
+# one tier of the document: the one tier model, validated by pydantic (bounds and descriptions come from
+# the dataclass fields' metadata; its __post_init__ checks the watermark order)
+DocTier = Annotated[TierSpec, _PlannerTierSchema, BeforeValidator(_doc_keys_only)]
 
 
 class BudgetLimits(_Strict):
@@ -89,16 +114,16 @@ class PredictorSettings(_Strict):
 class PlannerKnobs(_Strict):
     """The planner's part of the policy document (the ``planner`` settings section)."""
 
-    tiers: list[TierConfig] = Field(
+    tiers: list[DocTier] = Field(
         default_factory=lambda: [
-            TierConfig(
+            TierSpec(
                 tier=Tier.GPU,
                 capacity_blocks=48,
                 high_watermark=0.95,
                 low_watermark=0.85,
                 load_bandwidth_bytes_s=1e12,
             ),
-            TierConfig(tier=Tier.CPU, capacity_blocks=100_000, load_bandwidth_bytes_s=2e10),
+            TierSpec(tier=Tier.CPU, capacity_blocks=100_000, load_bandwidth_bytes_s=2e10),
         ],
         max_length=4,
         description="managed tiers with capacity, watermarks and load bandwidth",
@@ -164,12 +189,7 @@ class PolicyDoc(PlannerKnobs, LoopKnobs):
     def planner_config(self) -> PlannerConfig:
         d = self.default_budget
         return PlannerConfig(
-            tiers=tuple(
-                TierSpec(
-                    t.tier, t.capacity_blocks, t.high_watermark, t.low_watermark, t.load_bandwidth_bytes_s
-                )
-                for t in self.tiers
-            ),
+            tiers=tuple(self.tiers),
             budgets={b.link: LinkBudget(b.bytes_per_s, b.ops_per_s, b.burst_s) for b in self.budgets},
             default_budget=LinkBudget(d.bytes_per_s, d.ops_per_s, d.burst_s),
             prefill_s_per_token=self.prefill_s_per_token,

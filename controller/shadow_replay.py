@@ -21,11 +21,11 @@ from prometheus_client import CollectorRegistry
 
 from kvtier.controller.loop import TickReport
 from kvtier.controller.metrics import ControllerMetrics
-from kvtier.controller.policy_doc import PolicyDoc, TierConfig
+from kvtier.controller.policy_doc import PolicyDoc
 from kvtier.controller.root import build_loop
 from kvtier.policies.base import Request
 from kvtier.policies.index import BlockIndex
-from kvtier.policies.tiers import Tier, TierHardware
+from kvtier.policies.tiers import HBM_BYTES_S, Tier, TierSpec
 from kvtier.replay.sim.layer import CacheLayer
 from kvtier.replay.sim.report import IndexReporter
 
@@ -44,14 +44,14 @@ def run_shadow_replay(
     doc = policy or PolicyDoc(
         mode="shadow",
         tiers=[
-            TierConfig(
+            TierSpec(
                 tier=Tier.GPU,
                 capacity_blocks=gpu_blocks,
                 high_watermark=0.9,
                 low_watermark=0.8,
                 load_bandwidth_bytes_s=1e12,
             ),
-            TierConfig(
+            TierSpec(
                 tier=Tier.CPU, capacity_blocks=cpu_blocks or 2 * gpu_blocks, load_bandwidth_bytes_s=2e10
             ),
         ],
@@ -71,7 +71,7 @@ def run_shadow_replay(
         assume_admittable=True,
     )
     # vLLM's prefix cache in the simulator (no offload); nbytes 0: the loop prices blocks by the document
-    layer = CacheLayer([TierHardware(Tier.GPU, gpu_blocks, 1e15, 1e15)], 0, offload=False,
+    layer = CacheLayer([TierSpec(Tier.GPU, gpu_blocks, load_bandwidth_bytes_s=HBM_BYTES_S)], 0, offload=False,
                        observer=IndexReporter(idx, 0))  # fmt: skip
     hits = misses = 0
     next_tick = now[0]

@@ -26,7 +26,7 @@ from kvtier.controller.geometry import EngineGeometry, apply_geometry, fetch_geo
 from kvtier.controller.l1_keeper import L1Keeper
 from kvtier.controller.plane import ControlPlane
 from kvtier.controller.settings import Settings
-from kvtier.controller.tier_view import TierView
+from kvtier.controller.tier_view import PerTierView
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class Sidecar:
         self.tracer_provider.shutdown()
 
     # ---- views --------------------------------------------------------------------------------------------
-    def tier_view(self) -> TierView:
+    def tier_view(self) -> PerTierView:
         """Per-tier hits, lookups and holdings from the latest vLLM and LMCache MP observations."""
         return self.collectors.tier_view()
 

@@ -1,6 +1,6 @@
 """Prometheus families for tiers and the predictor/breaker gauges of the dashboards' contract.
 
-* :class:`TierMetrics` — per-tier usage, capacity, hit tokens, lookups and bytes moved per tier link
+* :class:`PerTierMetrics` — per-tier usage, capacity, hit tokens, lookups and bytes moved per tier link
   (``kvtier_tier_*``, ``kvtier_lookup_tokens_total``); fed by whoever knows the tiers (the demo's emulated
   cache). Every tier and every link starts at zero.
 * :class:`PlaneGauges` — ``kvtier_predictor_calibration_error``, ``kvtier_predictor_brier_score`` and
@@ -19,7 +19,7 @@ from kvtier.policies.tiers import TIER_ORDER
 TIER_NAMES: tuple[str, ...] = tuple(t.value for t in TIER_ORDER)
 
 
-class TierMetrics:
+class PerTierMetrics:
     """``kvtier_tier_*`` families on an injected registry (bytes, tokens)."""
 
     def __init__(self, registry: CollectorRegistry, tiers: Iterable[str] = TIER_NAMES) -> None:

@@ -10,7 +10,7 @@ Built from the collectors' latest observations (no I/O here):
 The counters are the peers' own cumulative values, so they equal what vLLM and LMCache report (a peer
 restart resets them, which Prometheus' ``rate()`` treats as a counter reset). LMCache looks up the whole
 prompt, so its L1/L2 hits may include a prefix vLLM's GPU cache also held: per-tier hit ratios can sum
-past 1 by at most the GPU share. :class:`TierViewExporter` serves the view as the dashboards'
+past 1 by at most the GPU share. :class:`PerTierViewExporter` serves the view as the dashboards'
 ``kvtier_tier_*`` families (``dashboards/METRICS.md``); the demo serves the same families from its emulated
 cache instead.
 """
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
-class TierView:
+class PerTierView:
     """Per-tier hits (tokens, cumulative), lookups (tokens), bytes used / capacity and objects held."""
 
     hit_tokens: dict[str, float] = field(default_factory=dict)
@@ -46,8 +46,8 @@ class TierView:
         return asdict(self)
 
 
-def build_tier_view(engines: Iterable[EngineSample], layers: Iterable[LMCacheMPSample]) -> TierView:
-    """Pure: the latest engine samples and LMCache MP samples -> :class:`TierView` (tiers without a source
+def build_tier_view(engines: Iterable[EngineSample], layers: Iterable[LMCacheMPSample]) -> PerTierView:
+    """Pure: the latest engine samples and LMCache MP samples -> :class:`PerTierView` (tiers without a source
     of data are absent from the dicts)."""
     hits: dict[str, float] = {}
     used: dict[str, float] = {}
@@ -63,16 +63,16 @@ def build_tier_view(engines: Iterable[EngineSample], layers: Iterable[LMCacheMPS
                 dst[tier] = dst.get(tier, 0.0) + v
         for tier, n in s.objects.items():
             objects[tier] = objects.get(tier, 0) + n
-    return TierView(hits, lookups, used, cap, objects)
+    return PerTierView(hits, lookups, used, cap, objects)
 
 
-class TierViewExporter(PromCollector):
+class PerTierViewExporter(PromCollector):
     """Serves ``view()`` at scrape time: ``kvtier_tier_hit_tokens_total{tier}``,
     ``kvtier_lookup_tokens_total``, ``kvtier_tier_used_bytes{tier}``, ``kvtier_tier_capacity_bytes{tier}``
     and ``kvtier_tier_objects{tier}``. Hits and objects are exported for every tier (0 where no peer reports
     them); bytes only for the tiers a peer reports (``used / capacity`` must never divide by a made-up 0)."""
 
-    def __init__(self, view: Callable[[], TierView]) -> None:
+    def __init__(self, view: Callable[[], PerTierView]) -> None:
         self.view = view
 
     def collect(self) -> Iterable[Metric]:
@@ -80,10 +80,10 @@ class TierViewExporter(PromCollector):
 
     def describe(self) -> Iterable[Metric]:
         """Names only, so the registry catches a clash with another exporter of these families."""
-        return _families(TierView())
+        return _families(PerTierView())
 
 
-def _families(v: TierView) -> list[Metric]:
+def _families(v: PerTierView) -> list[Metric]:
     hits = CounterMetricFamily("kvtier_tier_hit_tokens", "Prefix tokens served from the tier.",
                                labels=["tier"])  # fmt: skip
     used = GaugeMetricFamily("kvtier_tier_used_bytes", "Bytes resident in the tier.", labels=["tier"])

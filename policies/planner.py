@@ -36,7 +36,7 @@ import numpy.typing as npt
 
 from kvtier.policies.budget import TokenBucket
 from kvtier.policies.inflight import InFlightMoves
-from kvtier.policies.tiers import TIER_ORDER, Tier
+from kvtier.policies.tiers import TIER_ORDER, Tier, TierSpec
 
 Action = Literal["promote", "demote", "prefetch", "pin", "evict", "admit"]
 ACTIONS: tuple[Action, ...] = ("promote", "demote", "prefetch", "pin", "evict", "admit")
@@ -70,25 +70,6 @@ def tier_bit(tier: Tier) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class TierSpec:
-    """One managed tier. ``capacity_blocks`` is what the planner may fill; watermarks are fractions."""
-
-    tier: Tier
-    capacity_blocks: int
-    high_watermark: float = 0.95
-    low_watermark: float = 0.85
-    load_bandwidth_bytes_s: float = 1e10  # measured load bandwidth from this tier into the engine, bytes/s
-
-    def __post_init__(self) -> None:
-        if self.capacity_blocks < 0:
-            raise ValueError(f"{self.tier}: capacity_blocks must be >= 0")
-        if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
-            raise ValueError(f"{self.tier}: need 0 <= low_watermark <= high_watermark <= 1")
-        if self.load_bandwidth_bytes_s <= 0:
-            raise ValueError(f"{self.tier}: load_bandwidth_bytes_s must be > 0")
-
-
-@dataclass(frozen=True, slots=True)
 class LinkBudget:
     """Quota of one tier link (``src->dst``): refill rates and bucket depth (``burst_s`` seconds of rate)."""
 
@@ -99,7 +80,8 @@ class LinkBudget:
 
 @dataclass(frozen=True, slots=True)
 class PlannerConfig:
-    """Planner knobs; ``tiers`` are the managed tiers (any order; sorted fastest first)."""
+    """Planner knobs; ``tiers`` are the managed tiers (any order; sorted fastest first; the planner reads
+    their capacity, watermarks and load bandwidth)."""
 
     tiers: tuple[TierSpec, ...]
     budgets: Mapping[str, LinkBudget] = field(default_factory=dict)  # "cpu->gpu" -> budget

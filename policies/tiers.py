@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 
 class Tier(StrEnum):
@@ -69,42 +71,66 @@ def normalize_tier(name: str | None, default: Tier | None = None) -> Tier:
     raise ValueError(f"unknown tier/medium name {name!r}; known: {sorted(_ALIASES)}")
 
 
-class TierHardware:
-    """One tier's hardware, the single tier model the simulator runs and the planner's tiers derive from.
+# Bounds and descriptions ride in each field's ``metadata`` (plain dicts, so this module stays pure): the
+# policy document validates this dataclass directly with pydantic, which reads them as ``Field`` arguments.
+HBM_BYTES_S = 1e15  # stands in for "no link" (tier 0 reads at HBM speed); also the document's upper bound
 
-    ``capacity_blocks``: blocks of KV the tier holds. ``read_bytes_s``: bandwidth of the link that loads
-    this tier's blocks towards the engine (bytes/s); ``write_bytes_s``: bandwidth of the link that writes
-    into it; ``latency_s``: per-transfer setup latency (s). Tier 0 (HBM) has no link (read at HBM speed).
-    Pure data, so every layer may import it (planner, policy document, replay, simulator).
+
+def _meta(description: str, **bounds: float) -> dict[str, Any]:
+    return {"description": description, **bounds}
+
+
+# fields the operator's policy document does not carry (hardware and replay-only); hidden there
+NOT_IN_POLICY_DOC = ("write_bandwidth_bytes_s", "latency_s", "policy")
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    """One tier: what it holds and how fast it moves blocks. The one tier model the planner, the policy
+    document, the replay tier stack and the simulator share.
+
+    ``capacity_blocks``: blocks of KV the tier holds (the planner may fill). ``high_watermark`` /
+    ``low_watermark``: fractions of capacity where the planner starts / stops shedding.
+    ``load_bandwidth_bytes_s``: bandwidth of a load from this tier into the engine (bytes/s; the
+    simulator's read link, the planner's load price). ``write_bandwidth_bytes_s``: bandwidth of writes into
+    the tier (bytes/s; None = the load bandwidth). ``latency_s``: per-transfer setup latency (s).
+    ``policy``: the eviction policy a replayed tier stack runs in this tier (None = tier 0's if it can
+    remove blocks, else lru). Tier 0 (HBM) has no link: :data:`HBM_BYTES_S` stands in.
     """
 
-    __slots__ = ("tier", "capacity_blocks", "read_bytes_s", "write_bytes_s", "latency_s")
+    tier: Tier = field(metadata=_meta("kvtier tier name: gpu, cpu, disk or remote"))
+    capacity_blocks: int = field(metadata=_meta("blocks the planner may place in this tier", ge=0, le=10**10))
+    high_watermark: float = field(
+        default=0.95, metadata=_meta("fraction of capacity that triggers shedding", ge=0.0, le=1.0)
+    )
+    low_watermark: float = field(default=0.85, metadata=_meta("fraction shedding stops at", ge=0.0, le=1.0))
+    load_bandwidth_bytes_s: float = field(
+        default=1e10,
+        metadata=_meta("measured load bandwidth into the engine, bytes/s", gt=0, le=HBM_BYTES_S),
+    )
+    write_bandwidth_bytes_s: float | None = field(default=None, metadata={"exclude": True})
+    latency_s: float = field(default=0.0, metadata={"exclude": True})
+    policy: str | None = field(default=None, metadata={"exclude": True})
 
-    def __init__(
-        self,
-        tier: Tier,
-        capacity_blocks: int,
-        read_bytes_s: float,
-        write_bytes_s: float,
-        latency_s: float = 0.0,
-    ) -> None:
-        if capacity_blocks < 0:
-            raise ValueError(f"{tier}: capacity_blocks must be >= 0, got {capacity_blocks}")
-        if read_bytes_s <= 0 or write_bytes_s <= 0 or latency_s < 0:
-            raise ValueError(f"{tier}: bandwidths must be > 0 and latency >= 0")
-        self.tier = tier
-        self.capacity_blocks = int(capacity_blocks)
-        self.read_bytes_s = float(read_bytes_s)
-        self.write_bytes_s = float(write_bytes_s)
-        self.latency_s = float(latency_s)
+    def __post_init__(self) -> None:
+        if self.capacity_blocks < 0:
+            raise ValueError(f"tier {self.tier}: capacity_blocks must be >= 0, got {self.capacity_blocks}")
+        if not (0.0 <= self.low_watermark <= 1.0 and 0.0 <= self.high_watermark <= 1.0):
+            raise ValueError(f"tier {self.tier}: watermarks must be within [0, 1]")
+        if self.low_watermark > self.high_watermark:
+            raise ValueError(
+                f"tier {self.tier}: low_watermark ({self.low_watermark}) must be <= "
+                f"high_watermark ({self.high_watermark})"
+            )
+        if not self.load_bandwidth_bytes_s > 0 or not self.write_bytes_s > 0 or self.latency_s < 0:
+            raise ValueError(f"tier {self.tier}: bandwidths must be > 0 and latency_s >= 0")
+
+    @property
+    def write_bytes_s(self) -> float:
+        """Bandwidth of writes into this tier, bytes/s (the load bandwidth unless set)."""
+        w = self.write_bandwidth_bytes_s
+        return self.load_bandwidth_bytes_s if w is None else w
 
     def load_s(self, nbytes: float) -> float:
         """Seconds to load ``nbytes`` from this tier on an idle link."""
-        return self.latency_s + nbytes / self.read_bytes_s
-
-    def __repr__(self) -> str:
-        return (
-            f"TierHardware({self.tier.value}, {self.capacity_blocks} blocks, "
-            f"read {self.read_bytes_s:.3g} B/s, write {self.write_bytes_s:.3g} B/s, "
-            f"{self.latency_s * 1e6:.0f} us)"
-        )
+        return self.latency_s + nbytes / self.load_bandwidth_bytes_s

@@ -10,7 +10,7 @@ from typing import IO, Any
 from kvtier.policies.base import Request
 from kvtier.policies.registry import get_policy
 from kvtier.replay.engine import ReplayStats, RequestResult, replay
-from kvtier.replay.tiers import TierConfig, TierStack, bundled_config, load_tier_config
+from kvtier.replay.tiers import StackConfig, TierStack, bundled_config, load_tier_config
 from kvtier.replay.trace import bundled_trace_path, distinct_blocks, load_trace
 
 BUNDLED_TRACE_NAMES = ("bundled", "conversation")
@@ -23,7 +23,7 @@ def resolve_trace(trace: str) -> Path:
     return Path(trace)
 
 
-def resolve_tiers(spec: str) -> TierConfig:
+def resolve_tiers(spec: str) -> StackConfig:
     """A tier config path, or the name of a bundled one (``llama3-8b``, ``llama3-70b``, ...)."""
     p = Path(spec)
     if not p.exists() and bundled_config(spec).exists():
@@ -70,7 +70,7 @@ def run_one(
     capacity_blocks: int | None,
     *,
     seed: int = 0,
-    tiers: TierConfig | None = None,
+    tiers: StackConfig | None = None,
     per_request: IO[str] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> ReplayStats:

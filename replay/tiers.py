@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from kvtier.policies.base import HitMask, Policy, Request
 from kvtier.policies.registry import get_policy
-from kvtier.policies.tiers import TierHardware, normalize_tier
+from kvtier.policies.tiers import HBM_BYTES_S, TierSpec, normalize_tier
 
 GIB = 1 << 30
 
@@ -48,50 +48,32 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
-class TierSpec:
-    """One storage tier. Exactly one of the capacity fields is used (blocks > fraction > GiB)."""
+class StackConfig:
+    """A replayed tier stack: the model's KV geometry, its tiers fastest first (the one tier model,
+    :class:`~kvtier.policies.tiers.TierSpec`), the block size and whether loads overlap prefill.
 
-    name: str
-    read_gbps: float  # GB/s (1e9 B/s) from this tier into tier 0
-    write_gbps: float  # GB/s into this tier
-    latency_us: float  # per-transfer setup latency, microseconds
-    capacity_blocks: int | None = None
-    capacity_fraction: float | None = None  # of the trace's distinct blocks
-    capacity_gib: float | None = None
-    policy: str | None = None  # default: tier 0's policy if it supports remove(), else lru
+    ``capacity_fractions[i]``, when not None, sizes tier ``i`` as that fraction of the trace's distinct
+    blocks (known only when the trace is; it then overrides ``tiers[i].capacity_blocks``).
+    """
 
-    def hardware(self, distinct_blocks: int, block_bytes: int) -> TierHardware:
-        """This tier as the one tier model (:class:`~kvtier.policies.tiers.TierHardware`) the simulator and
-        the planner share. Tier 0 has no link: HBM speed stands in."""
-        hbm = self.read_gbps <= 0
-        return TierHardware(
-            normalize_tier(self.name),
-            self.blocks(distinct_blocks, block_bytes),
-            read_bytes_s=1e15 if hbm else self.read_gbps * 1e9,
-            write_bytes_s=1e15 if hbm else self.write_gbps * 1e9,
-            latency_s=self.latency_us * 1e-6,
-        )
-
-    def blocks(self, distinct_blocks: int, block_bytes: int) -> int:
-        if self.capacity_blocks is not None:
-            return int(self.capacity_blocks)
-        if self.capacity_fraction is not None:
-            return int(round(self.capacity_fraction * distinct_blocks))
-        if self.capacity_gib is not None:
-            return int(self.capacity_gib * GIB // block_bytes)
-        raise ValueError(f"tier {self.name}: give capacity_blocks, capacity (fraction) or capacity_gib")
-
-
-@dataclass(frozen=True)
-class TierConfig:
     model: ModelSpec
     tiers: tuple[TierSpec, ...]
     block_tokens: int = 512
     prefetch: bool = False
+    capacity_fractions: tuple[float | None, ...] = ()
+    top_sized: bool = True  # False: tier 0 gave no capacity (``--capacity`` / ``--capacity-blocks`` must)
 
     @property
     def block_bytes(self) -> int:
         return self.model.kv_bytes_per_token * self.block_tokens
+
+    def capacities(self, distinct_blocks: int) -> list[int]:
+        """Blocks per tier for a trace of ``distinct_blocks`` distinct blocks."""
+        fr = self.capacity_fractions or (None,) * len(self.tiers)
+        return [
+            t.capacity_blocks if f is None else int(round(f * distinct_blocks))
+            for t, f in zip(self.tiers, fr, strict=True)
+        ]
 
 
 def _num(d: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
@@ -103,7 +85,46 @@ def _num(d: Mapping[str, Any], key: str, where: str, default: float | None = Non
     return float(v)
 
 
-def parse_tier_config(data: Mapping[str, Any], *, source: str = "<config>") -> TierConfig:
+def parse_tier(t: Mapping[str, Any], i: int, block_bytes: int, where: str) -> tuple[TierSpec, float | None]:
+    """One YAML tier (``name``, ``read_gbps``/``write_gbps`` in GB/s, ``latency_us``, capacity as
+    ``capacity_blocks`` > ``capacity`` (fraction of the trace's distinct blocks) > ``capacity_gib``,
+    ``policy``) as the one tier model plus its capacity fraction (None when sized in blocks or GiB).
+    Tier 0 (HBM) may omit its bandwidths (no link) and its capacity (``--capacity`` sizes it)."""
+    if not isinstance(t, Mapping) or "name" not in t:
+        raise ValueError(f"{where}: must be a mapping with a 'name'")
+    try:
+        tier = normalize_tier(str(t["name"]))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    cb, cf, cg = t.get("capacity_blocks"), t.get("capacity"), t.get("capacity_gib")
+    if cb is None and cf is None and cg is None and i > 0:
+        raise ValueError(f"{where}: give capacity_blocks, capacity (fraction) or capacity_gib")
+    read = _num(t, "read_gbps", where, 0 if i == 0 else None)
+    write = _num(t, "write_gbps", where, 0 if i == 0 else None)
+    latency_us = _num(t, "latency_us", where, 0)
+    fraction = None
+    if cb is not None:
+        blocks = int(_num(t, "capacity_blocks", where))
+    elif cf is not None:
+        fraction, blocks = _num(t, "capacity", where), 0
+    elif cg is not None:
+        blocks = int(_num(t, "capacity_gib", where) * GIB // block_bytes)
+    else:
+        blocks = 0  # tier 0 sized by --capacity / --capacity-blocks
+    if i > 0 and (read <= 0 or write <= 0):
+        raise ValueError(f"{where}: read_gbps and write_gbps must be > 0")
+    spec = TierSpec(
+        tier,
+        blocks,
+        load_bandwidth_bytes_s=read * 1e9 if read > 0 else HBM_BYTES_S,
+        write_bandwidth_bytes_s=write * 1e9 if write > 0 else HBM_BYTES_S,
+        latency_s=latency_us * 1e-6,
+        policy=None if t.get("policy") is None else str(t["policy"]),
+    )
+    return spec, fraction
+
+
+def parse_tier_config(data: Mapping[str, Any], *, source: str = "<config>") -> StackConfig:
     """Validate a tier config mapping (as loaded from YAML/JSON)."""
     if not isinstance(data, Mapping):
         raise ValueError(f"{source}: top level must be a mapping")
@@ -124,39 +145,24 @@ def parse_tier_config(data: Mapping[str, Any], *, source: str = "<config>") -> T
     raw_tiers = data.get("tiers")
     if not isinstance(raw_tiers, list) or not raw_tiers:
         raise ValueError(f"{source}: 'tiers' must be a non-empty list")
-    tiers = []
-    for i, t in enumerate(raw_tiers):
-        wt = f"{source}: tiers[{i}]"
-        if not isinstance(t, Mapping) or "name" not in t:
-            raise ValueError(f"{wt}: must be a mapping with a 'name'")
-        cb = t.get("capacity_blocks")
-        cf = t.get("capacity")
-        cg = t.get("capacity_gib")
-        if cb is None and cf is None and cg is None and i > 0:
-            raise ValueError(f"{wt}: give capacity_blocks, capacity (fraction) or capacity_gib")
-        tiers.append(
-            TierSpec(
-                name=str(t["name"]),
-                read_gbps=_num(t, "read_gbps", wt, 0 if i == 0 else None),
-                write_gbps=_num(t, "write_gbps", wt, 0 if i == 0 else None),
-                latency_us=_num(t, "latency_us", wt, 0),
-                capacity_blocks=None if cb is None else int(_num(t, "capacity_blocks", wt)),
-                capacity_fraction=None if cf is None else _num(t, "capacity", wt),
-                capacity_gib=None if cg is None else _num(t, "capacity_gib", wt),
-                policy=None if t.get("policy") is None else str(t["policy"]),
-            )
-        )
-        if i > 0 and (tiers[-1].read_gbps <= 0 or tiers[-1].write_gbps <= 0):
-            raise ValueError(f"{wt}: read_gbps and write_gbps must be > 0")
     bt = int(data.get("block_tokens", 512))
     if bt <= 0:
         raise ValueError(f"{source}: block_tokens must be > 0")
-    return TierConfig(
-        model=model, tiers=tuple(tiers), block_tokens=bt, prefetch=bool(data.get("prefetch", False))
+    parsed = [
+        parse_tier(t, i, model.kv_bytes_per_token * bt, f"{source}: tiers[{i}]")
+        for i, t in enumerate(raw_tiers)
+    ]
+    return StackConfig(
+        model=model,
+        tiers=tuple(p[0] for p in parsed),
+        block_tokens=bt,
+        prefetch=bool(data.get("prefetch", False)),
+        capacity_fractions=tuple(p[1] for p in parsed),
+        top_sized=any(k in raw_tiers[0] for k in ("capacity_blocks", "capacity", "capacity_gib")),
     )
 
 
-def load_tier_config(path: str | Path) -> TierConfig:
+def load_tier_config(path: str | Path) -> StackConfig:
     """Read a tier config from YAML (``.yaml``/``.yml``) or JSON."""
     p = Path(path)
     text = p.read_text()
@@ -200,18 +206,18 @@ class _TierState:
 class TierStack:
     """Exclusive tier hierarchy driven request by request (see module doc)."""
 
-    def __init__(self, config: TierConfig, top: Policy, capacities: list[int], *, seed: int = 0) -> None:
+    def __init__(self, config: StackConfig, top: Policy, capacities: list[int], *, seed: int = 0) -> None:
         if len(capacities) != len(config.tiers):
             raise ValueError("one capacity per tier")
         self.config = config
         self.block_bytes = config.block_bytes
-        self.tier_names = [t.name for t in config.tiers]
+        self.tier_names = [t.tier.value for t in config.tiers]
         states = [_TierState(config.tiers[0], top)]
         for spec, cap in zip(config.tiers[1:], capacities[1:], strict=True):
             pname = spec.policy or (top.name if _supports_remove(top) and not top.offline else "lru")
             pol = get_policy(pname, cap, seed)
             if not _supports_remove(pol):
-                raise ValueError(f"tier {spec.name}: policy {pname} cannot be a lower tier (no remove())")
+                raise ValueError(f"tier {spec.tier}: policy {pname} cannot be a lower tier (no remove())")
             states.append(_TierState(spec, pol))
         self._t = states
         k = len(states)
@@ -231,16 +237,20 @@ class TierStack:
     @classmethod
     def build(
         cls,
-        config: TierConfig,
+        config: StackConfig,
         top_policy: str,
         distinct_blocks: int,
         *,
         top_capacity_blocks: int | None = None,
         seed: int = 0,
     ) -> TierStack:
-        caps = [t.blocks(distinct_blocks, config.block_bytes) for t in config.tiers]
+        caps = config.capacities(distinct_blocks)
         if top_capacity_blocks is not None:
             caps[0] = top_capacity_blocks
+        elif not config.top_sized:
+            raise ValueError(
+                f"tier {config.tiers[0].tier}: give capacity_blocks, capacity (fraction) or capacity_gib"
+            )
         return cls(config, get_policy(top_policy, caps[0], seed), caps, seed=seed)
 
     @property
@@ -254,9 +264,9 @@ class TierStack:
         out: dict[str, int] = {}
         for k in range(1, len(st)):
             if self._up[k]:
-                out[f"{st[k].spec.name}->{st[0].spec.name}"] = int(self._up[k]) * bb
+                out[f"{st[k].spec.tier}->{st[0].spec.tier}"] = int(self._up[k]) * bb
             if self._down[k]:
-                out[f"{st[k - 1].spec.name}->{st[k].spec.name}"] = int(self._down[k]) * bb
+                out[f"{st[k - 1].spec.tier}->{st[k].spec.tier}"] = int(self._down[k]) * bb
         return out
 
     def access(self, req: Request) -> tuple[HitMask, npt.NDArray[np.int8], float]:
@@ -346,7 +356,7 @@ class TierStack:
             bb = self.block_bytes
             for k in np.flatnonzero(pref[1:]).tolist():
                 spec = st[k + 1].spec
-                t_ms = spec.latency_us / 1e3 + int(pref[k + 1]) * bb / (spec.read_gbps * 1e9) * 1e3
+                t_ms = spec.latency_s * 1e3 + int(pref[k + 1]) * bb / spec.load_bandwidth_bytes_s * 1e3
                 self._load_ms[k + 1] += t_ms
                 load_ms += t_ms
         ttft = max(compute_ms, load_ms) if self.config.prefetch else compute_ms + load_ms
@@ -366,7 +376,7 @@ class TierStack:
             written = int(self._up[1:].sum()) if k == 0 else int(self._down[k])
             out.append(
                 {
-                    "tier": s.spec.name,
+                    "tier": s.spec.tier.value,
                     "policy": s.policy.name,
                     "capacity_blocks": s.policy.capacity_blocks,
                     "capacity_bytes": s.policy.capacity_blocks * bb,
@@ -380,17 +390,21 @@ class TierStack:
                     "load_time_ms": round(float(self._load_ms[k]), 3),
                     # share of the trace's span this tier's link spends writing demotions / reading
                     # promotions at its configured bandwidth (> 1: the tier cannot keep up)
-                    "write_utilization": self._util(written * bb, s.spec.write_gbps),
-                    "read_utilization": self._util(int(self._up[k]) * bb if k else 0, s.spec.read_gbps),
+                    "write_utilization": self._util(written * bb, s.spec.write_bytes_s),
+                    "read_utilization": self._util(
+                        int(self._up[k]) * bb if k else 0, s.spec.load_bandwidth_bytes_s
+                    ),
                 }
             )
         return out
 
-    def _util(self, nbytes: int, gbps: float) -> float | None:
+    def _util(self, nbytes: int, bytes_s: float) -> float | None:
+        """Share of the trace's span a link of ``bytes_s`` (bytes/s) is busy moving ``nbytes``; None for
+        tier 0's missing link (:data:`~kvtier.policies.tiers.HBM_BYTES_S`) or an empty span."""
         span_s = (self._last_ms - (self._first_ms or 0.0)) / 1e3
-        if gbps <= 0 or span_s <= 0:
+        if bytes_s >= HBM_BYTES_S or span_s <= 0:
             return None
-        return round(nbytes / (gbps * 1e9) / span_s, 6)
+        return round(nbytes / bytes_s / span_s, 6)
 
     def ttft_summary(self) -> dict[str, Any]:
         """TTFT estimate statistics (ms) and bytes moved per link."""

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvtier.policies.tiers import Tier, TierHardware
+from kvtier.policies.tiers import Tier, TierSpec
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class Lookup:
 
 
 class _Tier:
-    def __init__(self, hw: TierHardware) -> None:
+    def __init__(self, hw: TierSpec) -> None:
         self.hw = hw
         self.lru: OrderedDict[int, float] = OrderedDict()  # block -> ready_at (s)
 
@@ -105,7 +105,7 @@ class CacheLayer:
 
     def __init__(
         self,
-        tiers: Sequence[TierHardware],
+        tiers: Sequence[TierSpec],
         block_bytes: int,
         *,
         offload: bool = True,
@@ -125,10 +125,9 @@ class CacheLayer:
         self.links: dict[str, Link] = {}
         for h in self.hw[1:]:
             up = Tier.GPU if h.tier is Tier.CPU else Tier.CPU
-            self.links[f"{h.tier.value}->{up.value}"] = Link(f"{h.tier.value}->{up.value}", h.read_bytes_s,
-                                                             h.latency_s)  # fmt: skip
-            self.links[f"{up.value}->{h.tier.value}"] = Link(f"{up.value}->{h.tier.value}", h.write_bytes_s,
-                                                             h.latency_s)  # fmt: skip
+            load, write = f"{h.tier.value}->{up.value}", f"{up.value}->{h.tier.value}"
+            self.links[load] = Link(load, h.load_bandwidth_bytes_s, h.latency_s)  # loads towards the engine
+            self.links[write] = Link(write, h.write_bytes_s, h.latency_s)  # writes into the tier
         self.freq: Counter[int] = Counter()
         self.hit_tokens: Counter[str] = Counter()  # tier -> prompt tokens served from it
         # tier -> prompt tokens the layer's own lookup found there: LMCache MP looks up the whole prompt

@@ -1,5 +1,5 @@
 """Scenario files: model geometry, the compute roofline that prices prefill and decode, the tier hardware
-(the one tier model, :class:`~kvtier.policies.tiers.TierHardware`), the serving limits and the trace slice.
+(the one tier model, :class:`~kvtier.policies.tiers.TierSpec`), the serving limits and the trace slice.
 
 Costs (seconds), from the roofline of the accelerator the YAML names (sources cited in each file):
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvtier.policies.tiers import Tier, TierHardware, normalize_tier
+from kvtier.policies.tiers import Tier, TierSpec, normalize_tier
 from kvtier.replay.sim.layer import LayerBehaviour
 
 GIB = 1 << 30
@@ -63,7 +63,7 @@ class Scenario:
     name: str
     compute: ComputeModel
     block_tokens: int
-    tiers: tuple[TierHardware, ...]  # fastest first; tiers[0] is HBM (the engine's prefix cache)
+    tiers: tuple[TierSpec, ...]  # fastest first; tiers[0] is HBM (the engine's prefix cache)
     serving: Serving = field(default_factory=Serving)
     max_requests: int | None = None
     min_input_tokens: int = 0  # keep only prompts at least this long (the seed's long prompts)
@@ -76,7 +76,7 @@ class Scenario:
     def block_bytes(self) -> int:
         return self.compute.kv_bytes_per_token * self.block_tokens
 
-    def tier(self, t: Tier) -> TierHardware | None:
+    def tier(self, t: Tier) -> TierSpec | None:
         return next((h for h in self.tiers if h.tier is t), None)
 
     def with_serving(self, **kw: Any) -> Scenario:
@@ -163,7 +163,7 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
     raw = data.get("tiers")
     if not isinstance(raw, list) or not raw:
         raise ValueError(f"{source}: 'tiers' must be a non-empty list")
-    tiers: list[TierHardware] = []
+    tiers: list[TierSpec] = []
     for i, t in enumerate(raw):
         wt = f"{source}: tiers[{i}]"
         if not isinstance(t, Mapping) or "name" not in t:
@@ -176,11 +176,11 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
             cap = int(_num(t, "capacity_gib", wt) * GIB // bb)
         hbm = i == 0
         tiers.append(
-            TierHardware(
+            TierSpec(
                 tier,
                 cap,
-                read_bytes_s=_num(t, "read_gbps", wt, 1e6 if hbm else None) * 1e9,
-                write_bytes_s=_num(t, "write_gbps", wt, 1e6 if hbm else None) * 1e9,
+                load_bandwidth_bytes_s=_num(t, "read_gbps", wt, 1e6 if hbm else None) * 1e9,
+                write_bandwidth_bytes_s=_num(t, "write_gbps", wt, 1e6 if hbm else None) * 1e9,
                 latency_s=_num(t, "latency_us", wt, 0) * 1e-6,
             )
         )

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from kvtier.collectors.kv_ingest import KvIngestor
 from kvtier.collectors.vllm_events import BlockRemoved, BlockStored, DecodedBatch
-from kvtier.controller.policy_doc import PolicyDoc, TierConfig
+from kvtier.controller.policy_doc import PolicyDoc
 from kvtier.policies.index import BlockIndex
-from kvtier.policies.tiers import Tier
+from kvtier.policies.tiers import Tier, TierSpec
 from tests.controller import built
 
 
@@ -26,8 +26,8 @@ def test_loop_ticks_cleanly_while_the_bounded_index_reclaims(tmp_path: Path) -> 
     doc = PolicyDoc(
         mode="shadow",
         tiers=[
-            TierConfig(tier=Tier.GPU, capacity_blocks=400),
-            TierConfig(tier=Tier.CPU, capacity_blocks=800),
+            TierSpec(tier=Tier.GPU, capacity_blocks=400),
+            TierSpec(tier=Tier.CPU, capacity_blocks=800),
         ],
     )
     # the production composition: the root hangs its ControlSink on the ingestor

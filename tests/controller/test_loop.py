@@ -25,10 +25,10 @@ from kvtier.controller.actuators.base import (
 from kvtier.controller.loop import ReconcileLoop
 from kvtier.controller.metrics import ControllerMetrics
 from kvtier.controller.pins import Pin, PinSet
-from kvtier.controller.policy_doc import Mode, PolicyDoc, TierConfig
+from kvtier.controller.policy_doc import Mode, PolicyDoc
 from kvtier.controller.tracing import make_tracer, make_tracer_provider
 from kvtier.policies.index import BlockIndex
-from kvtier.policies.tiers import Tier
+from kvtier.policies.tiers import Tier, TierSpec
 
 
 class Recorder(Actuator):
@@ -71,8 +71,8 @@ def make(mode: Mode = "active", fail: bool = False):  # type: ignore[no-untyped-
     doc = PolicyDoc(
         mode=mode,
         tiers=[
-            TierConfig(tier=Tier.GPU, capacity_blocks=4, high_watermark=0.75, low_watermark=0.5),
-            TierConfig(tier=Tier.CPU, capacity_blocks=100),
+            TierSpec(tier=Tier.GPU, capacity_blocks=4, high_watermark=0.75, low_watermark=0.5),
+            TierSpec(tier=Tier.CPU, capacity_blocks=100),
         ],
     )
     act = Recorder(fail)
@@ -418,8 +418,8 @@ def test_outcomes_keyed_by_layer_keys_are_attributed_per_ref_and_routing_respect
         loop.policy.model_copy(
             update={
                 "tiers": [
-                    TierConfig(tier=Tier.CPU, capacity_blocks=4, high_watermark=0.75, low_watermark=0.5),
-                    TierConfig(tier=Tier.DISK, capacity_blocks=100),
+                    TierSpec(tier=Tier.CPU, capacity_blocks=4, high_watermark=0.75, low_watermark=0.5),
+                    TierSpec(tier=Tier.DISK, capacity_blocks=100),
                 ]
             }
         )
@@ -536,8 +536,8 @@ def test_active_mode_without_a_recreating_actuator_spends_the_budget_on_feasible
     layer = Layer()
     loop.actuators = [layer]
     loop.set_policy(loop.policy.model_copy(update={
-        "tiers": [TierConfig(tier=Tier.CPU, capacity_blocks=100, load_bandwidth_bytes_s=2e10),
-                  TierConfig(tier=Tier.DISK, capacity_blocks=100, load_bandwidth_bytes_s=1e9)],
+        "tiers": [TierSpec(tier=Tier.CPU, capacity_blocks=100, load_bandwidth_bytes_s=2e10),
+                  TierSpec(tier=Tier.DISK, capacity_blocks=100, load_bandwidth_bytes_s=1e9)],
         "default_budget": BudgetLimits(ops_per_s=2.0, burst_s=1.0)}))  # fmt: skip
     t = clock.t * 1000
     idx.store(51, None, Tier.DISK, t=t)

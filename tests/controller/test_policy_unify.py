@@ -17,11 +17,11 @@ import pytest
 from kvtier.collectors.kv_ingest import KvIngestor
 from kvtier.collectors.vllm_events import BlockStored, decode_frames
 from kvtier.controller.plane import ControlPlane
-from kvtier.controller.policy_doc import BudgetLimits, PolicyDoc, PredictorSettings, TierConfig
+from kvtier.controller.policy_doc import BudgetLimits, PolicyDoc, PredictorSettings
 from kvtier.controller.sidecar import Sidecar
 from kvtier.policies.base import Request
 from kvtier.policies.registry import get_policy
-from kvtier.policies.tiers import Tier
+from kvtier.policies.tiers import Tier, TierSpec
 from kvtier.replay.engine import replay
 from kvtier.replay.synthetic import multiturn_trace
 from tests.controller import built
@@ -115,8 +115,8 @@ def live_plane(
     doc = PolicyDoc(
         mode="shadow",
         tiers=[
-            TierConfig(tier=Tier.GPU, capacity_blocks=1_000_000, load_bandwidth_bytes_s=1e12),
-            TierConfig(tier=Tier.CPU, capacity_blocks=cap, load_bandwidth_bytes_s=2e10),
+            TierSpec(tier=Tier.GPU, capacity_blocks=1_000_000, load_bandwidth_bytes_s=1e12),
+            TierSpec(tier=Tier.CPU, capacity_blocks=cap, load_bandwidth_bytes_s=2e10),
         ],
         hysteresis_s=86400,  # shadow mode: moves stay assumed done for the whole run
         default_budget=BudgetLimits(bytes_per_s=1e15, ops_per_s=1e6, burst_s=1.0),

@@ -137,10 +137,10 @@ def _loop_with_policy(predictor: _Kept):  # type: ignore[no-untyped-def]
 
     from kvtier.controller.loop import ReconcileLoop
     from kvtier.controller.metrics import ControllerMetrics
-    from kvtier.controller.policy_doc import PolicyDoc, TierConfig
+    from kvtier.controller.policy_doc import PolicyDoc
     from kvtier.controller.root import make_placement
     from kvtier.policies.base import Request
-    from kvtier.policies.tiers import Tier
+    from kvtier.policies.tiers import Tier, TierSpec
 
     idx = BlockIndex(initial_capacity=256)
     for b in range(1, 201):
@@ -148,8 +148,8 @@ def _loop_with_policy(predictor: _Kept):  # type: ignore[no-untyped-def]
     doc = PolicyDoc(
         mode="shadow",
         tiers=[
-            TierConfig(tier=Tier.CPU, capacity_blocks=50),
-            TierConfig(tier=Tier.DISK, capacity_blocks=1000),
+            TierSpec(tier=Tier.CPU, capacity_blocks=50),
+            TierSpec(tier=Tier.DISK, capacity_blocks=1000),
         ],
     )
     now = [500.0]
@@ -184,8 +184,8 @@ def test_observe_fills_unknown_sizes_with_block_bytes_exactly() -> None:
 
     from kvtier.controller.loop import ReconcileLoop
     from kvtier.controller.metrics import ControllerMetrics
-    from kvtier.controller.policy_doc import PolicyDoc, TierConfig
-    from kvtier.policies.tiers import Tier
+    from kvtier.controller.policy_doc import PolicyDoc
+    from kvtier.policies.tiers import Tier, TierSpec
 
     n = 140_000
     idx = BlockIndex(initial_capacity=n)
@@ -199,7 +199,7 @@ def test_observe_fills_unknown_sizes_with_block_bytes_exactly() -> None:
     idx.nbytes[:n] = nb
     # a default that fits int32 (the view stays int32), and one that does not (the view widens)
     for bb, dt in ((777, np.int32), (1 << 40, np.int64)):
-        doc = PolicyDoc(mode="shadow", tiers=[TierConfig(tier=Tier.CPU, capacity_blocks=50)], block_bytes=bb)
+        doc = PolicyDoc(mode="shadow", tiers=[TierSpec(tier=Tier.CPU, capacity_blocks=50)], block_bytes=bb)
         metrics = ControllerMetrics(CollectorRegistry())
         loop = ReconcileLoop(idx, policy=doc, metrics=metrics, clock=lambda: 1.0)
         view = loop._observe()
@@ -226,13 +226,13 @@ def test_observed_sizes_refresh_incrementally_and_equal_a_full_fill_after_every_
 
     from kvtier.controller.loop import ReconcileLoop
     from kvtier.controller.metrics import ControllerMetrics
-    from kvtier.controller.policy_doc import PolicyDoc, TierConfig
-    from kvtier.policies.tiers import Tier
+    from kvtier.controller.policy_doc import PolicyDoc
+    from kvtier.policies.tiers import Tier, TierSpec
 
     idx = BlockIndex(initial_capacity=1024)
     for b in range(1, 501):
         idx.store(b, None, 1, 4096 if b % 3 else 0, 1000.0)
-    doc = PolicyDoc(mode="shadow", tiers=[TierConfig(tier=Tier.CPU, capacity_blocks=50)], block_bytes=777)
+    doc = PolicyDoc(mode="shadow", tiers=[TierSpec(tier=Tier.CPU, capacity_blocks=50)], block_bytes=777)
     loop = ReconcileLoop(idx, policy=doc, metrics=ControllerMetrics(CollectorRegistry()), clock=lambda: 1.0)
 
     def check() -> None:

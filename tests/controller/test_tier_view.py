@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.collectors.lmcache_mp import LMCacheMPSample, parse_lmcache_mp
 from kvtier.collectors.vllm_metrics import VllmMetricsParser
-from kvtier.controller.tier_view import TierView, TierViewExporter, build_tier_view
+from kvtier.controller.tier_view import PerTierView, PerTierViewExporter, build_tier_view
 
 DATA = Path(__file__).resolve().parents[1] / "cachelayers" / "data"
 
@@ -48,13 +48,13 @@ def test_view_sums_engines_and_cache_layers() -> None:
     assert v.used_bytes == {t: 2 * b for t, b in mp.used_bytes.items()}
     assert v.objects == {t: 2 * n for t, n in mp.objects.items()} and v.objects["cpu"] > 0
     assert "remote" not in v.hit_tokens
-    assert build_tier_view([], []) == TierView()
+    assert build_tier_view([], []) == PerTierView()
 
 
 def test_exporter_serves_every_tier_and_follows_the_view() -> None:
-    current = [TierView()]
+    current = [PerTierView()]
     reg = CollectorRegistry()
-    reg.register(TierViewExporter(lambda: current[0]))
+    reg.register(PerTierViewExporter(lambda: current[0]))
 
     def scrape() -> dict[tuple[str, str], float]:
         out = {}
@@ -70,7 +70,7 @@ def test_exporter_serves_every_tier_and_follows_the_view() -> None:
     assert first[("kvtier_lookup_tokens_total", "")] == 0.0
     # no invented capacity: used / capacity (the TierNearlyFull alert) must not become +Inf
     assert not any(name in ("kvtier_tier_used_bytes", "kvtier_tier_capacity_bytes") for name, _ in first)
-    current[0] = TierView({"gpu": 64.0, "disk": 512.0}, 1024.0, {"cpu": 3e6}, {"cpu": 8e6}, {"cpu": 7})
+    current[0] = PerTierView({"gpu": 64.0, "disk": 512.0}, 1024.0, {"cpu": 3e6}, {"cpu": 8e6}, {"cpu": 7})
     later = scrape()
     assert later[("kvtier_tier_hit_tokens_total", "gpu")] == 64.0
     assert later[("kvtier_tier_hit_tokens_total", "disk")] == 512.0

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.policies.planner import BlockView, LinkBudget, Plan, Planner, PlannerConfig, TierSpec, tier_bit
-from kvtier.policies.tiers import Tier
+from kvtier.policies.planner import BlockView, LinkBudget, Plan, Planner, PlannerConfig, tier_bit
+from kvtier.policies.tiers import Tier, TierSpec
 
 G, C, D = tier_bit(Tier.GPU), tier_bit(Tier.CPU), tier_bit(Tier.DISK)
 

@@ -48,7 +48,7 @@ def conversation() -> Workload:
 def test_bundled_configs(name: str, kv_per_token: int) -> None:
     c = load_tier_config(bundled_config(name))
     assert c.model.kv_bytes_per_token == kv_per_token
-    assert [t.name for t in c.tiers] == ["gpu", "cpu", "disk", "remote"]
+    assert [t.tier.value for t in c.tiers] == ["gpu", "cpu", "disk", "remote"]
     assert c.block_bytes == kv_per_token * 512
 
 
@@ -114,4 +114,4 @@ def test_yaml_and_json_files(tmp_path: Path) -> None:
 
     p = tmp_path / "c.json"
     p.write_text(json.dumps(cfg(GPU, CPU)))
-    assert load_tier_config(p).tiers[1].name == "cpu"
+    assert load_tier_config(p).tiers[1].tier.value == "cpu"

@@ -41,7 +41,7 @@ def test_prediction_runs_the_simulators_default_arm_on_the_bench_prompts() -> No
     assert all(r.block_tokens == 64 and r.input_length == 64 * len(r.hash_ids) <= 960 for r in reqs)
     sc = with_rates(load_scenario("cpu-tiny"), fit_probe(_rows()))
     assert sc.compute.step_overhead_s == pytest.approx(0.1, abs=1e-3)
-    assert sc.tier(Tier.CPU).read_bytes_s == pytest.approx(1e8, rel=0.05)
+    assert sc.tier(Tier.CPU).load_bandwidth_bytes_s == pytest.approx(1e8, rel=0.05)
     fig = predict(sc, reqs)["figures"]
     total = sum(r.input_length for r in reqs)
     assert fig["gpu"] + fig["external"] + fig["recomputed"] == total

@@ -11,7 +11,7 @@ import pytest
 from kvtier.controller.actuators.base import BlockRef, Outcome
 from kvtier.controller.loop import block_key_hex
 from kvtier.policies.index import BlockIndex
-from kvtier.policies.tiers import Tier, TierHardware
+from kvtier.policies.tiers import Tier, TierSpec
 from kvtier.replay.sim.actuator import MemoryActuator
 from kvtier.replay.sim.layer import CacheLayer, LayerBehaviour
 from kvtier.replay.sim.report import IndexReporter
@@ -19,11 +19,11 @@ from kvtier.replay.sim.report import IndexReporter
 BB = 1000  # bytes per block
 
 
-def _tiers(gpu: int = 2, cpu: int = 3, disk: int = 5) -> list[TierHardware]:
+def _tiers(gpu: int = 2, cpu: int = 3, disk: int = 5) -> list[TierSpec]:
     return [
-        TierHardware(Tier.GPU, gpu, 1e15, 1e15),
-        TierHardware(Tier.CPU, cpu, 1e6, 1e6, 0.0),  # 1 ms per block
-        TierHardware(Tier.DISK, disk, 1e5, 1e5, 0.0),  # 10 ms per block
+        TierSpec(Tier.GPU, gpu, load_bandwidth_bytes_s=1e15),
+        TierSpec(Tier.CPU, cpu, load_bandwidth_bytes_s=1e6),  # 1 ms per block
+        TierSpec(Tier.DISK, disk, load_bandwidth_bytes_s=1e5),  # 10 ms per block
     ]
 
 

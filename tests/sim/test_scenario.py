@@ -18,7 +18,7 @@ def test_bundled_scenarios() -> None:
     assert s.compute.kv_bytes_per_token == 62 * 8 * 128 * 2 * 2
     assert [h.tier for h in s.tiers] == [Tier.GPU, Tier.CPU, Tier.REMOTE]
     assert s.serving.closed_loop and s.min_input_tokens == 16384
-    assert s.tier(Tier.REMOTE) is not None and s.tier(Tier.REMOTE).read_bytes_s == 11e9  # type: ignore[union-attr]
+    assert s.tier(Tier.REMOTE) is not None and s.tier(Tier.REMOTE).load_bandwidth_bytes_s == 11e9  # type: ignore[union-attr]
 
 
 def _doc(**over: object) -> dict[str, object]:
@@ -52,18 +52,25 @@ def test_typos_and_bad_values_are_errors() -> None:
 
 
 def test_one_tier_model_feeds_replay_and_the_planner() -> None:
-    from kvtier.controller.policy_doc import PolicyDoc, TierConfig
+    from kvtier.controller.policy_doc import PolicyDoc
     from kvtier.replay.runner import resolve_tiers
 
     tc = resolve_tiers("llama3-8b")
-    hw = [t.hardware(1000, tc.block_bytes) for t in tc.tiers]
+    hw = tc.tiers
     assert [h.tier for h in hw] == [Tier.GPU, Tier.CPU, Tier.DISK, Tier.REMOTE]
-    assert hw[1].capacity_blocks == 512 * 2**30 // tc.block_bytes and hw[2].read_bytes_s == 12e9
-    assert hw[2].load_s(12e9) == pytest.approx(1.0 + 100e-6)
-    cfg = TierConfig.from_hardware(hw[2])
-    assert cfg.capacity_blocks == hw[2].capacity_blocks and cfg.load_bandwidth_bytes_s == 12e9
-    (spec,) = PolicyDoc(tiers=[cfg]).planner_config().tiers
+    assert hw[1].capacity_blocks == 512 * 2**30 // tc.block_bytes and hw[2].load_bandwidth_bytes_s == 12e9
+    assert hw[2].write_bytes_s == 8e9 and hw[2].load_s(12e9) == pytest.approx(1.0 + 100e-6)
+    # the policy document carries the planner's fields of the same object (hardware-only ones stay out)
+    doc = PolicyDoc(tiers=[hw[2]])
+    (spec,) = doc.planner_config().tiers
     assert spec.capacity_blocks == hw[2].capacity_blocks and spec.load_bandwidth_bytes_s == 12e9
+    assert set(doc.model_dump(mode="json")["tiers"][0]) == {
+        "tier",
+        "capacity_blocks",
+        "high_watermark",
+        "low_watermark",
+        "load_bandwidth_bytes_s",
+    }
 
 
 def test_cpu_tiny_measured_costs_and_the_layers_own_details() -> None:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvtier.policies.base import Request
-from kvtier.policies.tiers import Tier, TierHardware
+from kvtier.policies.tiers import Tier, TierSpec
 from kvtier.replay.sim.layer import CacheLayer
 from kvtier.replay.sim.scenario import ComputeModel, Scenario, Serving
 from kvtier.replay.sim.serving import ServingModel
@@ -17,8 +17,9 @@ from kvtier.replay.sim.stats import ci, paired_diff, summarize
 def _sc(concurrency: int = 1, budget: int = 100, b: float = 0.0) -> Scenario:
     cm = ComputeModel("toy", 10, prefill_a_s=1e-3, prefill_b_s=b, weight_bytes=0.0, mem_bytes_s=1e12,
                       step_overhead_s=0.0)  # fmt: skip
-    tiers = (TierHardware(Tier.GPU, 100, 1e15, 1e15), TierHardware(Tier.CPU, 100, 1e4, 1e4),
-             TierHardware(Tier.DISK, 100, 1e3, 1e3))  # fmt: skip
+    tiers = (TierSpec(Tier.GPU, 100, load_bandwidth_bytes_s=1e15),
+             TierSpec(Tier.CPU, 100, load_bandwidth_bytes_s=1e4),
+             TierSpec(Tier.DISK, 100, load_bandwidth_bytes_s=1e3))  # fmt: skip
     return Scenario("toy", cm, 10, tiers, Serving(concurrency, budget, 1.0))
 
 
@@ -58,7 +59,11 @@ def test_load_is_part_of_ttft_and_hits_are_not_recomputed() -> None:
     assert t == pytest.approx([0.030, 0.010])
     # HBM too small to keep them: the hits come from L1 over the cpu->gpu link (100 B per 10 ms)
     small = Scenario(
-        "toy", sc.compute, 10, (TierHardware(Tier.GPU, 0, 1e15, 1e15),) + sc.tiers[1:], sc.serving
+        "toy",
+        sc.compute,
+        10,
+        (TierSpec(Tier.GPU, 0, load_bandwidth_bytes_s=1e15),) + sc.tiers[1:],
+        sc.serving,
     )
     t = _run(small, [first, again])
     assert t[1] == pytest.approx(3 * 100 / 1e4 + 0.010)
