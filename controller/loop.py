@@ -50,8 +50,9 @@ from kvtier.controller.metrics import ControllerMetrics
 from kvtier.controller.pins import PinSet
 from kvtier.controller.placement import PolicyPlacement
 from kvtier.controller.policy_doc import PolicyDoc
-from kvtier.controller.predict import HeuristicPredictor, ReusePredictor
+from kvtier.controller.predict import ReusePredictor
 from kvtier.controller.tokens import TokenStore
+from kvtier.policies.heuristic import HeuristicPredictor
 from kvtier.policies.index import BlockIndex
 from kvtier.policies.planner import BlockView, Move, Plan, Planner, tier_bit
 from kvtier.policies.slotmap import grown_size

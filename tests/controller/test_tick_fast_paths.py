@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.controller.predict import _FREQ_TERM, HeuristicPredictor
+from kvtier.policies.heuristic import _FREQ_TERM, HeuristicPredictor
 from kvtier.policies.index import BlockIndex
 
 
