@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
@@ -208,6 +209,39 @@ def test_predictor_run_ahead_on_a_worker_gives_the_same_ticks_and_its_failure_fa
         reg.get_sample_value("kvtier_loop_fallbacks_total", {"stage": "predict", "fallback": "heuristic"})
         == 1
     )
+
+
+@pytest.mark.parametrize("fault", ["observe", "predict", "plan"])
+def test_the_predict_ahead_worker_has_finished_when_the_tick_releases_the_index_lock(fault: str) -> None:
+    """The worker reads the index without its lock (the tick thread holds it): whatever path the tick
+    takes -- a stage failing before or after the worker's result is due -- the worker has returned before
+    the tick gives the lock back to the ingest path."""
+    state: dict[str, bool] = {}
+
+    class SlowIndexOnly:
+        name = "slow"
+        reads_index_only = True
+
+        def predict(self, index: BlockIndex, n: int, now_ms: float) -> object:
+            state["started"] = True
+            threading.Event().wait(0.3)  # a slow predictor (not a synchronisation: nothing sets it)
+            state["done"] = True
+            return np.zeros(n, np.float32)
+
+        def info(self) -> dict[str, object]:
+            return {}
+
+    loop, idx, act, reg, _, clock = make()
+    loop.predict_ahead_min_rows = 0
+    loop.predictor = SlowIndexOnly()
+    fill_gpu(idx, clock)
+    loop.fault[fault] = RuntimeError("injected")
+    rep = loop.tick()
+    # an injected predict fault comes before the worker's result is taken: the heuristic answers
+    assert rep.outcome == "ok" and rep.decisions == (2 if fault == "predict" else 0)
+    assert state.get("started") and state.get("done")
+    assert idx.lock.acquire(blocking=False)  # released after the worker returned
+    idx.lock.release()
 
 
 @pytest.mark.parametrize("stage", ["observe", "plan"])
