@@ -113,15 +113,6 @@ def _template(n: int, extra_cols: int = 0) -> FloatArray:
     return t
 
 
-def fallback_logit(feats: FloatArray) -> FloatArray:
-    """Heuristic reuse log-odds used until the model is trained (unitless).
-
-    A partial tail block (the next turn rewrites it) is unlikely to return; blocks seen more than once
-    are likelier to return again.
-    """
-    return -1.0 - 3.0 * feats[:, 1] + 0.5 * np.minimum(feats[:, 9], 3.0)
-
-
 class FeatureRing:
     """Fixed ring of stored feature rows (``size`` x ``n_cols``) for the learned policy's events.
 

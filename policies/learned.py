@@ -45,9 +45,9 @@ from kvtier.policies.features import (
     FEATURE_NAMES,
     RAW_ONLY_FEATURES,
     FeatureRing,
-    fallback_logit,
     request_features,
 )
+from kvtier.policies.heuristic import HeuristicPredictor
 from kvtier.policies.keyed_planner import KeyedPlanner
 from kvtier.policies.predictor import BinnedLogit, auc, brier, reliability, sigmoid, sigmoid32
 from kvtier.policies.slot_expert import make_expert
@@ -81,6 +81,8 @@ _TAU_MIN_S, _TAU_MAX_S = 1.0, 1e6
 _EVICT_TAU_DIV = 4000.0
 # log-odds of a block whose last access fell out of the event ring (P ~ 5e-5): ranked as cold
 _COLD_LOGIT = -10.0
+# the heuristic's recency scale (ms): the model's tau until the first fit, and the heuristic experts' for good
+_HEURISTIC_TAU_MS = 60_000.0
 
 
 class LearnedPolicy(Policy):
@@ -142,8 +144,9 @@ class LearnedPolicy(Policy):
         self.return_within = return_within
         self._left = -1  # the expert left at the last switch
         self._left_at = 0  # request of that switch
-        self.fallback_tau_s = 60.0
-        self.tau_s = self.fallback_tau_s
+        # the prior until the first fit, and the key of the heuristic-keyed experts: log-odds and tau 60 s
+        self.heuristic = HeuristicPredictor(tau_ms=_HEURISTIC_TAU_MS)
+        self.tau_s = self.heuristic.tau_s
         self._train_rng = np.random.default_rng(seed + 1)
         raw = tuple(self.feature_names.index(f) for f in self._extra if f in RAW_ONLY_FEATURES)
         lin = (FEATURE_NAMES.index("log_freq"), *raw)
@@ -358,7 +361,7 @@ class LearnedPolicy(Policy):
         if self._extra:
             x = self._with_extras(x, slots, freq, now)
         trained = self.model.trained
-        z = self.model.predict_logit(x) if trained else fallback_logit(x)
+        z = self.model.predict_logit(x) if trained else self.heuristic.log_odds(x)
         self._record_events(slots, x, z, now)
         if self._k_c is not None:  # P(reuse) is asked for (the controller's tick): memoise the fresh
             version, key_of = self._key_memo()  # keys here, on the feeding path, not in the tick
@@ -367,9 +370,9 @@ class LearnedPolicy(Policy):
         if known < n:
             self._turn[slots[new]] = turn + 1
         # heuristic-keyed planners use the fallback's log-odds and time scale, whatever the model
-        zh = fallback_logit(x) if self._any_heuristic and trained else z
+        zh = self.heuristic.log_odds(x) if self._any_heuristic and trained else z
         rh = self._real.heuristic
-        tau_real = self.fallback_tau_s if rh else self.tau_s
+        tau_real = self.heuristic.tau_s if rh else self.tau_s
         base = (zh if rh else z) + now / 1000.0 / (tau_real * self._real.mult)
         toks = self._tok_buf[self._n_buf]
         dropped: list[int] | npt.NDArray[np.int64] = []
@@ -382,7 +385,7 @@ class LearnedPolicy(Policy):
             if pl.mult == self._real.mult and pl.heuristic == rh:
                 b = base
             elif pl.heuristic:
-                b = zh + now / 1000.0 / (self.fallback_tau_s * pl.mult)
+                b = zh + now / 1000.0 / (self.heuristic.tau_s * pl.mult)
             else:
                 b = z + now / 1000.0 / (self.tau_s * pl.mult)
             h = pl.serve(slots, b, self._v_par, lost if i == self._lead else None)
@@ -713,7 +716,7 @@ class LearnedPolicy(Policy):
     def _logit_of_events(self, ev: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
         """The current model's (or the fallback's) log-odds of stored access events ``ev``."""
         x = np.asarray(self._ev_x[ev % self._E], dtype=np.float64)  # (the ring reads float64 already)
-        return self.model.predict_logit(x) if self.model.trained else fallback_logit(x)
+        return self.model.predict_logit(x) if self.model.trained else self.heuristic.log_odds(x)
 
     def _retrain(self, now: float) -> None:
         lo, hi = self._labelled_range(now - self.horizon_ms)
@@ -774,7 +777,7 @@ class LearnedPolicy(Policy):
                 if need_m:
                     z[res[i : i + _REKEY_CHUNK]] = self._logit_of_events(e)
                 if need_h:
-                    zh[res[i : i + _REKEY_CHUNK]] = fallback_logit(self._ev_x[e % self._E])
+                    zh[res[i : i + _REKEY_CHUNK]] = self.heuristic.log_odds(self._ev_x[e % self._E])
         last_s = self._last_ms[:n] / 1000.0
         for pl in planners:
             own = pl is self._real and not self._aliased()
@@ -784,7 +787,7 @@ class LearnedPolicy(Policy):
                 self._biased[:n] = lm
                 bias = np.where(lm, self.lead_bias, 0.0)
             if pl.heuristic:
-                pl.rekey(zh, last_s, self.fallback_tau_s, bias)
+                pl.rekey(zh, last_s, self.heuristic.tau_s, bias)
             else:
                 pl.rekey(z, last_s, self.tau_s, bias)
 
@@ -805,7 +808,7 @@ class LearnedPolicy(Policy):
         if not m.any():
             return
         y = self._ev_y[pos][m]
-        zf = fallback_logit(self._ev_x[pos][m].astype(np.float64))  # the fallback's log-odds, same rows
+        zf = self.heuristic.log_odds(self._ev_x[pos][m].astype(np.float64))  # the heuristic's, same rows
         zmm = zm[m]
         self._q_z.append(zmm)
         self._q_zf.append(zf)
@@ -887,6 +890,7 @@ class LearnedPolicy(Policy):
             pos = e % self._E
             x = self._ev_x[pos].astype(np.float64)
             out["features"] = dict(zip(self.feature_names, x.tolist(), strict=True))
-            zz = self.model.predict_logit(x[None, :]) if self.model.trained else fallback_logit(x[None, :])
+            xx = x[None, :]
+            zz = self.model.predict_logit(xx) if self.model.trained else self.heuristic.log_odds(xx)
             out["reuse_probability_at_access"] = float(sigmoid(zz)[0])
         return out

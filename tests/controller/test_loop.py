@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
@@ -26,6 +27,7 @@ from kvtier.controller.loop import ReconcileLoop
 from kvtier.controller.metrics import ControllerMetrics
 from kvtier.controller.pins import Pin, PinSet
 from kvtier.controller.policy_doc import Mode, PolicyDoc
+from kvtier.controller.reconcile.predict import admits_possible
 from kvtier.controller.tracing import make_tracer, make_tracer_provider
 from kvtier.policies.index import BlockIndex
 from kvtier.policies.tiers import Tier, TierSpec
@@ -167,7 +169,7 @@ def test_predictor_run_ahead_on_a_worker_gives_the_same_ticks_and_its_failure_fa
         for _ in range(3):
             reps.append(loop.tick())
             clock.t += 1
-        assert (loop._ahead_pool is not None) == ahead
+        assert (loop.stages.predict.pool is not None) == ahead
         runs[ahead] = (
             [(r.decisions, r.predictor) for r in reps],
             [(d.action, d.block, d.tier, d.p_reuse) for d in loop.decisions.query()],
@@ -207,6 +209,39 @@ def test_predictor_run_ahead_on_a_worker_gives_the_same_ticks_and_its_failure_fa
         reg.get_sample_value("kvtier_loop_fallbacks_total", {"stage": "predict", "fallback": "heuristic"})
         == 1
     )
+
+
+@pytest.mark.parametrize("fault", ["observe", "predict", "plan"])
+def test_the_predict_ahead_worker_has_finished_when_the_tick_releases_the_index_lock(fault: str) -> None:
+    """The worker reads the index without its lock (the tick thread holds it): whatever path the tick
+    takes -- a stage failing before or after the worker's result is due -- the worker has returned before
+    the tick gives the lock back to the ingest path."""
+    state: dict[str, bool] = {}
+
+    class SlowIndexOnly:
+        name = "slow"
+        reads_index_only = True
+
+        def predict(self, index: BlockIndex, n: int, now_ms: float) -> object:
+            state["started"] = True
+            threading.Event().wait(0.3)  # a slow predictor (not a synchronisation: nothing sets it)
+            state["done"] = True
+            return np.zeros(n, np.float32)
+
+        def info(self) -> dict[str, object]:
+            return {}
+
+    loop, idx, act, reg, _, clock = make()
+    loop.predict_ahead_min_rows = 0
+    loop.predictor = SlowIndexOnly()
+    fill_gpu(idx, clock)
+    loop.fault[fault] = RuntimeError("injected")
+    rep = loop.tick()
+    # an injected predict fault comes before the worker's result is taken: the heuristic answers
+    assert rep.outcome == "ok" and rep.decisions == (2 if fault == "predict" else 0)
+    assert state.get("started") and state.get("done")
+    assert idx.lock.acquire(blocking=False)  # released after the worker returned
+    idx.lock.release()
 
 
 @pytest.mark.parametrize("stage", ["observe", "plan"])
@@ -553,7 +588,8 @@ def test_active_mode_without_a_recreating_actuator_spends_the_budget_on_feasible
     idx2.store(61, None, Tier.GPU, t=t)
     idx2.remove(61, Tier.GPU)
     loop2.tokens.add_chain([61], list(range(32)), 32)
-    assert loop2._admits_possible() and loop2.tick().decisions >= 1  # shadow mode still scores admits
+    assert admits_possible(loop2.mode, loop2.actuators)  # shadow mode still scores admits
+    assert loop2.tick().decisions >= 1
 
 
 def test_pending_decisions_stay_bounded_and_drops_are_counted() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.controller.predict import _FREQ_TERM, HeuristicPredictor
+from kvtier.policies.heuristic import _FREQ_TERM, HeuristicPredictor
 from kvtier.policies.index import BlockIndex
 
 
@@ -174,7 +174,7 @@ def test_the_tick_overwrites_policy_rows_in_a_copy_unless_the_predictor_returns_
         assert rep.predictor.startswith("policy:") and rep.outcome == "ok"
         assert (pred.out == np.float32(0.25)).all()  # never written through
         plans.append(sorted((m.action, m.block, m.value_s) for m in rep.plan.moves))
-        assert loop._p_owned is (cls is _Fresh)
+        assert loop.stages.predict.last_owned is (cls is _Fresh)
     assert plans[0] == plans[1] and plans[0]
 
 
@@ -202,7 +202,7 @@ def test_observe_fills_unknown_sizes_with_block_bytes_exactly() -> None:
         doc = PolicyDoc(mode="shadow", tiers=[TierSpec(tier=Tier.CPU, capacity_blocks=50)], block_bytes=bb)
         metrics = ControllerMetrics(CollectorRegistry())
         loop = ReconcileLoop(idx, policy=doc, metrics=metrics, clock=lambda: 1.0)
-        view = loop._observe()
+        view = loop.stages.observe.view(loop.index, loop.policy)
         m = len(view)
         assert m == n and view.nbytes.dtype == dt
         assert np.array_equal(view.nbytes, np.where(nb <= 0, bb, nb))
@@ -236,7 +236,7 @@ def test_observed_sizes_refresh_incrementally_and_equal_a_full_fill_after_every_
     loop = ReconcileLoop(idx, policy=doc, metrics=ControllerMetrics(CollectorRegistry()), clock=lambda: 1.0)
 
     def check() -> None:
-        got = loop._observe().nbytes
+        got = loop.stages.observe.view(loop.index, loop.policy).nbytes
         n = int(idx._n)
         want = np.where(idx.nbytes[:n] <= 0, loop.policy.block_bytes, idx.nbytes[:n])
         assert got.shape == (n,) and np.array_equal(got, want)

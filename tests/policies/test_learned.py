@@ -452,10 +452,10 @@ def test_default_expert_set_is_model_recency_scales_a_heuristic_frequency_expert
         LearnedPolicy(100, classic_key="nope")
 
 
-def test_heuristic_expert_keys_by_the_fallback_logit_whatever_the_model(trace: list[Request]) -> None:
-    """A heuristic expert's key of a block is the fallback log-odds of its last access plus t / (tau x
+def test_heuristic_expert_keys_by_the_heuristic_log_odds_whatever_the_model(trace: list[Request]) -> None:
+    """A heuristic expert's key of a block is the heuristic log-odds of its last access plus t / (tau x
     mult) with the fallback's fixed tau, before and after the model is trained and refit."""
-    from kvtier.policies.features import fallback_logit
+    from kvtier.policies.heuristic import HeuristicPredictor
 
     pol = LearnedPolicy(150, learned_mults=(1.0,), heuristic_mults=(16.0,), experts=(), **FAST)  # type: ignore[arg-type]
     h = pol._keyed[1]
@@ -463,8 +463,8 @@ def test_heuristic_expert_keys_by_the_fallback_logit_whatever_the_model(trace: l
     for r in trace[:1500]:
         pol.access(r)
         res = np.flatnonzero(h.resident[: pol._n_slots])
-        zf = fallback_logit(pol._ev_x[pol._last_event[res] % pol._E])
-        want = zf + pol._last_ms[res] / 1000.0 / (pol.fallback_tau_s * 16.0)
+        zf = HeuristicPredictor.log_odds(pol._ev_x[pol._last_event[res] % pol._E])
+        want = zf + pol._last_ms[res] / 1000.0 / (pol.heuristic.tau_s * 16.0)
         np.testing.assert_allclose(h.key[res], want, rtol=0, atol=1e-5)  # (stored features are float32)
     assert pol.quality()["retrains"] >= 3
 
@@ -473,7 +473,7 @@ def test_following_a_heuristic_expert_keys_the_real_cache_by_the_heuristic(trace
     """A switch to a heuristic expert makes the real cache rank by the heuristic key (plus the lead bias
     on the blocks the expert holds); a switch to ARC with ``classic_key`` "best" makes it rank by the key of
     the keyed expert with the most recent tokens, "keep" leaves its key as it was."""
-    from kvtier.policies.features import fallback_logit
+    from kvtier.policies.heuristic import HeuristicPredictor
 
     pols = [LearnedPolicy(150, switch_every=10**9, classic_key=ck, **FAST) for ck in ("best", "keep")]  # type: ignore[arg-type]
     for r in trace[:800]:
@@ -488,8 +488,8 @@ def test_following_a_heuristic_expert_keys_the_real_cache_by_the_heuristic(trace
     for r in trace[800:1000]:
         pol.access(r)
         res = np.flatnonzero(pol._real.resident[: pol._n_slots])
-        zf = fallback_logit(pol._ev_x[pol._last_event[res] % pol._E])
-        own = zf + pol._last_ms[res] / 1000.0 / (pol.fallback_tau_s * 16.0)
+        zf = HeuristicPredictor.log_odds(pol._ev_x[pol._last_event[res] % pol._E])
+        own = zf + pol._last_ms[res] / 1000.0 / (pol.heuristic.tau_s * 16.0)
         carried = np.rint((pol._real.key[res] - own) / pol.lead_bias)
         assert np.array_equal(carried, pol._keyed[hx].resident[res].astype(float))
     for p in pols:
