@@ -338,6 +338,16 @@ class LearnedPolicy(Policy):
             return np.zeros(len(self.expert_names))
         return self._tok_buf[self._last_tok_row].copy()
 
+    def stored_features(self, n_rows: int) -> npt.NDArray[np.float64]:
+        """The last ``n_rows`` access feature rows kept for training, oldest first, as the event ring reads
+        them back (float32 / int16 precision); columns :attr:`feature_names`. A new array. Raises
+        ``ValueError`` for more rows than the ring holds."""
+        held = min(self._n_events, self._E)
+        if not 0 <= n_rows <= held:
+            raise ValueError(f"learned: {n_rows} feature rows asked, the event ring holds {held}")
+        e = np.arange(self._n_events - n_rows, self._n_events) % self._E
+        return self._ev_x[e]
+
     @property
     def handoff_blocks(self) -> int:
         """Blocks the real cache holds that the followed expert does not (the hand-off to it still to be
