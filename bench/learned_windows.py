@@ -8,7 +8,7 @@ horizon, which follows the real cache's evictions) what it would get on its own.
 and the real cache's total (%), the switch log, then one row per window: thousands of prefix-hit tokens
 per expert and for the real cache, the followed expert at the window's end, and how many resident blocks
 of the real cache the followed expert does not hold (the hand-off still to be paid by misses).
-Diagnostic only: it reads the policy's internal per-request expert tokens.
+Diagnostic only: per-request expert tokens from :meth:`LearnedPolicy.last_expert_tokens`.
 """
 
 from __future__ import annotations
@@ -41,14 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[str] = []
     for i, r in enumerate(reqs):
         h = pol.access(r)
-        b = pol._n_buf - 1 if pol._n_buf > 0 else pol._tok_buf.shape[0] - 1  # this request's row
-        tok[i, :k] = pol._tok_buf[b]
+        if len(r.hash_ids):  # (an empty request leaves the policy's last row as it was)
+            tok[i, :k] = pol.last_expert_tokens()
         tok[i, k] = prefix_tokens(r, int(h.argmin()) if h.shape[0] and not h.all() else h.shape[0])
         if (i + 1) % a.window == 0 or i + 1 == len(reqs):
             w = tok[i + 1 - ((i % a.window) + 1) : i + 1].sum(0)
-            n = pol._n_slots
-            off = int(np.count_nonzero(pol._real.resident[:n] & ~pol._lead_member()[:n]))
-            lead = pol.expert_names[pol._lead]
+            off = pol.handoff_blocks
+            lead = pol.followed_expert
             rows.append(f"{i + 1:>6}" + "".join(f"{x / 1000:>10.0f}" for x in w) + f"  {lead:<18}{off:>8}")
     total = sum(r.input_length for r in reqs)
     print(f"{a.variant} at {100 * a.capacity:g} % ({cap} blocks), policy seed {a.seed}, kw {a.kw}")

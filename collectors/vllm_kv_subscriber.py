@@ -1,7 +1,8 @@
 """Subscribe to a vLLM engine's KV-cache events over ZMQ and feed them to a :class:`KvIngestor`.
 
 * Discovery: ``GET /kv_event_sources`` -> ``{dp_rank: {endpoint, replay_endpoint, topic, ...}}`` (this is the
-  collector's fetch/parse; :meth:`KvEventSubscriber.poll` (re)configures the sockets from it).
+  collector's fetch/parse; :meth:`KvEventSubscriber.poll` (re)configures the sockets from it through
+  :meth:`KvEventSubscriber.configure`).
 * Bind-or-connect mirrors vLLM's rule (``ZmqEventPublisher._is_bind_endpoint``): vLLM BINDS its PUB socket
   only for endpoints with ``*`` or ``::`` or ``ipc://``/``inproc://`` -> the SUB connects (wildcards replaced
   by the engine's host); for any other endpoint (e.g. ``tcp://127.0.0.1:P``) vLLM CONNECTS -> the SUB binds.
@@ -181,7 +182,7 @@ class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
         obs = await super().poll()
         if obs is not None:
             try:
-                self._configure(obs.sources)
+                self.configure(obs.sources)
             except (zmq.ZMQError, ValueError) as exc:
                 self._fail("socket", exc)
                 return None
@@ -246,7 +247,11 @@ class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
         log.info("%s dp%d: publisher restarted (%s); dropped %d blocks", self.engine, st.src.dp_rank, why, n)
 
     # ---- sockets ------------------------------------------------------------------------------------------
-    def _configure(self, sources: tuple[KvSource, ...]) -> None:
+    def configure(self, sources: tuple[KvSource, ...]) -> None:
+        """Open a SUB socket per source not yet open (bind or connect, module doc) and close those of
+        sources gone or changed. :meth:`poll` calls this with the discovered sources; a caller that knows
+        its sources (no ``/kv_event_sources`` to ask) may call it directly. Raises ``zmq.ZMQError`` /
+        ``ValueError`` when a socket cannot be set up (the sockets opened before it stay open)."""
         wanted = {s.dp_rank: s for s in sources}
         for rank in list(self._states):
             if rank not in wanted or wanted[rank] != self._states[rank].src:
@@ -269,6 +274,11 @@ class KvEventSubscriber(HttpCollector[KvSourcesObservation]):
             self._states[rank] = _SourceState(src=src, sub=sock, sub_addr=f"{how} {addr}", label=label)
             log.info("%s dp%d: SUB %s %s (topic %r)", self.engine, rank, how, addr, src.topic)
         self._wake.set()
+
+    def socket_endpoint(self, dp_rank: int) -> str:
+        """The address our SUB socket for ``dp_rank`` is bound or connected to, as ZMQ resolved it (a bind to
+        port 0 shows the port it got). Raises ``KeyError`` if no socket is open for that rank."""
+        return self._states[dp_rank].sub.getsockopt_string(zmq.LAST_ENDPOINT)
 
     async def aclose(self) -> None:
         for st in self._states.values():

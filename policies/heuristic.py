@@ -72,7 +72,7 @@ class HeuristicPredictor:
     for rows whose ``freq`` or gap EWMA changed since the last call (and for new rows): the rows the
     index logged as touched or dropped (:meth:`BlockIndex.touched_since`), or, when its log does not
     reach back, those whose values differ from what was read. The same values, bit for bit, as the full
-    formula (``_predict``)."""
+    formula (:meth:`predict_full`)."""
 
     name = "heuristic"
     returns_new_array = True  # predict() returns a fresh array each call (the caller may overwrite it)
@@ -99,10 +99,10 @@ class HeuristicPredictor:
     def predict(self, index: BlockIndex, n: int, now_ms: float) -> Probs:
         """P(reuse) of index rows ``[0, n)`` as of ``now_ms`` (a new float32 array)."""
         if not self._cache_lock.acquire(blocking=False):
-            return self._predict(index, n, now_ms)
+            return self.predict_full(index, n, now_ms)
         try:
             if index.freq.dtype != np.uint32 or index.gap_ewma.dtype != np.float32:
-                return self._predict(index, n, now_ms)
+                return self.predict_full(index, n, now_ms)
             return self._predict_cached(index, n, now_ms, self._cache)
         finally:
             self._cache_lock.release()
@@ -163,8 +163,10 @@ class HeuristicPredictor:
         tau = np.where(np.isnan(tau), fill, np.maximum(tau, np.float32(4.0)))
         c.neg_tau[rows] = np.negative(tau, out=tau)
 
-    def _predict(self, index: BlockIndex, n: int, now_ms: float) -> Probs:
-        """The full formula, every row (the reference the incremental path must equal)."""
+    def predict_full(self, index: BlockIndex, n: int, now_ms: float) -> Probs:
+        """P(reuse) of index rows ``[0, n)`` as of ``now_ms`` (ms) by the full formula over every row, without
+        the per-row cache (a new float32 array): what :meth:`predict` answers when its cache is busy, and the
+        reference its incremental path must equal bit for bit."""
         freq = index.freq[:n]
         p = _FREQ_TERM[np.minimum(freq, len(_FREQ_TERM) - 1)]  # 1 - exp(-freq / 2), from a table
         age = np.subtract(np.float64(now_ms), index.last_access[:n], dtype=np.float32)

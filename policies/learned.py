@@ -204,6 +204,7 @@ class LearnedPolicy(Policy):
         # per-request expert tokens, folded into the statistics every window (or when the buffer is full)
         self._tok_buf = np.zeros((min(switch_every, 1024), k))
         self._n_buf = 0
+        self._last_tok_row = -1  # the row of the last request served with blocks (-1: none yet)
         self._since_check = 0  # requests since the last switch check
         self.switch_log: list[dict[str, Any]] = []  # every switch: request, from/to expert, scores, z
         self._views()
@@ -325,6 +326,35 @@ class LearnedPolicy(Policy):
         """Distinct blocks the policy keeps per-block state for (grows until a restart; blocks)."""
         return len(self._slot)
 
+    @property
+    def followed_expert(self) -> str:
+        """Name of the expert the real cache follows now (one of :attr:`expert_names`)."""
+        return self.expert_names[self._lead]
+
+    def last_expert_tokens(self) -> npt.NDArray[np.float64]:
+        """Prefix-hit tokens each expert (:attr:`expert_names` order) got on the last request with blocks
+        (a new array; zeros before the first). Read it before the next :meth:`access`."""
+        if self._last_tok_row < 0:
+            return np.zeros(len(self.expert_names))
+        return self._tok_buf[self._last_tok_row].copy()
+
+    def stored_features(self, n_rows: int) -> npt.NDArray[np.float64]:
+        """The last ``n_rows`` access feature rows kept for training, oldest first, as the event ring reads
+        them back (float32 / int16 precision); columns :attr:`feature_names`. A new array. Raises
+        ``ValueError`` for more rows than the ring holds."""
+        held = min(self._n_events, self._E)
+        if not 0 <= n_rows <= held:
+            raise ValueError(f"learned: {n_rows} feature rows asked, the event ring holds {held}")
+        e = np.arange(self._n_events - n_rows, self._n_events) % self._E
+        return self._ev_x[e]
+
+    @property
+    def handoff_blocks(self) -> int:
+        """Blocks the real cache holds that the followed expert does not (the hand-off to it still to be
+        paid by misses; blocks)."""
+        n = self._n_slots
+        return int(np.count_nonzero(self._real.resident[:n] & ~self._lead_member()[:n]))
+
     def access(self, req: Request) -> HitMask:
         now = float(req.timestamp_ms)
         self._last_now = now
@@ -428,6 +458,7 @@ class LearnedPolicy(Policy):
             self._first_ms[slots[new]] = now
             self._prev_ms[slots] = self._last_ms[slots]
         self._last_ms[slots] = now
+        self._last_tok_row = self._n_buf
         self._n_buf += 1
         self._since_check += 1
         if self._n_buf == self._tok_buf.shape[0] or self._since_check == self.switch_every:

@@ -33,14 +33,14 @@ class LRUPolicy(Policy):
             return np.zeros(len(ids), dtype=np.bool_)
         sid = set(ids)
         if len(sid) != len(ids):  # a block repeated within the request: its second use may hit
-            return self._access_exact(ids)
+            return self.access_exact(ids)
         hits = [b in od for b in ids]
         misses = [b for b, h in zip(ids, hits, strict=True) if not h]
         excess = len(od) + len(misses) - cap
         if excess > 0:
             victims = list(islice(od, excess))
             if len(victims) < excess or not sid.isdisjoint(victims):
-                return self._access_exact(ids)
+                return self.access_exact(ids)
             deque(map(od.pop, victims), 0)
             self._evicted.extend(victims)
         od.update(zip(misses, repeat(None)))
@@ -48,7 +48,9 @@ class LRUPolicy(Policy):
             deque(map(od.move_to_end, ids), 0)
         return np.array(hits, dtype=np.bool_)
 
-    def _access_exact(self, ids: list[int]) -> HitMask:
+    def access_exact(self, ids: list[int]) -> HitMask:
+        """Serve the block ids ``ids`` one by one (hit mask, as :meth:`access`): the per-block loop that
+        :meth:`access` falls back to and that its bulk path must equal."""
         od = self._od
         cap = self.capacity_blocks
         hits = [False] * len(ids)
@@ -72,6 +74,11 @@ class LRUPolicy(Policy):
 
     def contains(self, block: int) -> bool:
         return block in self._od
+
+    def eviction_order(self) -> list[int]:
+        """The resident block ids, next victim first (LRU: least recently used first; FIFO: oldest
+        insertion first). A copy: O(resident blocks)."""
+        return list(self._od)
 
     def __len__(self) -> int:
         return len(self._od)

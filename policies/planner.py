@@ -312,12 +312,12 @@ class Planner:
         bw = self._bw_by_rank()
         ops_cap = self._ops_cap()
         tok_const = _broadcast_value(view.tokens)
-        made: list[_ValueBounds] = []
+        made: list[ValueBounds] = []
 
-        def bounds() -> _ValueBounds:
+        def bounds() -> ValueBounds:
             """The view's value bounds (two passes over the sizes: built once per plan, when needed)."""
             if not made:
-                made.append(_ValueBounds(view, bw, cfg.prefill_s_per_token))
+                made.append(ValueBounds(view, bw, cfg.prefill_s_per_token))
             return made[0]
 
         def val(rows: npt.NDArray[np.intp], rank: int | npt.NDArray[np.int8]) -> npt.NDArray[np.float64]:
@@ -403,7 +403,7 @@ class Planner:
                 plan.deferred["demote" if nxt is not None else "evict"] += beyond
 
         # 3. promotions / prefetches / admissions into free room, highest gain first.
-        up: _UpMoves | None = None  # which rows may move up (built lazily, once)
+        up: UpMoves | None = None  # which rows may move up (built lazily, once)
         for spec in specs:
             free = room.get(spec.tier, 0)
             if free <= 0:
@@ -415,7 +415,7 @@ class Planner:
             if not movable.any():
                 continue  # no candidate for this tier (the eligibility passes would find none)
             if up is None:
-                up = _UpMoves(
+                up = UpMoves(
                     view, tier_mask, recent, pinned_rows, promoted, cfg.reuse_threshold, specs[0].tier
                 )
             k = min(free, cfg.max_candidates_per_tier, ops_cap)
@@ -474,7 +474,7 @@ class Planner:
         pins: Mapping[int, Tier],
         pinned_rows: npt.NDArray[np.bool_],
         val: Callable[[npt.NDArray[np.intp], int | npt.NDArray[np.int8]], npt.NDArray[np.float64]],
-        value_bounds: Callable[[], _ValueBounds],
+        value_bounds: Callable[[], ValueBounds],
         plan: Plan,
     ) -> list[tuple[int, float, Move]]:
         """Moves that make tier ``specs[i]`` equal to ``want`` (see :meth:`plan`), as planner candidates."""
@@ -618,7 +618,7 @@ class Planner:
         return out
 
 
-class _UpMoves:
+class UpMoves:
     """Which rows may move up into a tier this tick (promote / prefetch / admit), and a bounded candidate
     set per tier that holds its ``k`` highest gains. A row qualifies with ``P >= reuse_threshold``, a copy
     somewhere or its tokens known (admittable), no copy in the fastest managed tier, not in flight, not
@@ -676,14 +676,14 @@ class _UpMoves:
         k: int,
         free: int,
         val: Callable[[npt.NDArray[np.intp], int | npt.NDArray[np.int8]], npt.NDArray[np.float64]],
-        bounds: Callable[[], _ValueBounds],
+        bounds: Callable[[], ValueBounds],
         min_gain_s: float,
     ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.int8], int]:
         """Qualifying rows for a tier of ``rank`` (with their source ranks) that include the ``k`` highest
         gains, and ``n`` with ``min(free, n) == min(free, qualifying rows)`` (the tried / deferred count).
 
         A strided probe of ~64 k rows gives a threshold: the k-th highest gain among its qualifying rows.
-        A row's gain is at most ``P x b`` (:meth:`_ValueBounds.gain_bounds`; one ``b`` for rows with a
+        A row's gain is at most ``P x b`` (:meth:`ValueBounds.gain_bounds`; one ``b`` for rows with a
         copy, one for admissions), so a few passes over P and the tier bits keep every row that can reach
         it, and only those are checked exactly. Without a usable
         probe (too few qualifying rows in it, a negative threshold) the full pass instead, with the
@@ -727,7 +727,7 @@ class _UpMoves:
         return cand, cand_rank, n_qual
 
 
-class _ValueBounds:
+class ValueBounds:
     """Exact pruning for top-k selections over many rows (tick latency: only a few hundred moves fit the
     budgets, but the candidates can be 100k+ rows). A row's value at rank ``t`` is
     ``p * (tokens * c - nbytes / bw[t])`` (``c`` = prefill seconds per token) and a fill's gain the

@@ -23,7 +23,7 @@ _SPAN = 1e6  # feature values are clipped to [-_SPAN, _SPAN] before binning
 
 
 @functools.cache
-def _blas_controller() -> ThreadpoolController:
+def blas_controller() -> ThreadpoolController:
     """One thread-pool controller per process: building one scans the loaded libraries (~5 ms), too much
     to repeat on every refit. Built at the first fit, once numpy/scipy's BLAS is loaded."""
     return ThreadpoolController()
@@ -96,7 +96,7 @@ class BinnedLogit:
         model = self._lr
         # one BLAS thread: the problem is tiny, and OpenBLAS threads spinning on a shared machine cost
         # more wall time than the whole fit (measured 2.5 s vs 0.4 s per replay of the conversation trace)
-        with _blas_controller().limit(limits=1, user_api="blas"):
+        with blas_controller().limit(limits=1, user_api="blas"):
             model.fit(onehot, y)
         coef = model.coef_[0].astype(np.float64)
         self.weights = coef[:nb]

@@ -37,6 +37,21 @@ def register(name: str, factory: PolicyFactory) -> None:
     _FACTORIES[name] = factory
 
 
+def register_module(name: str, target: str) -> None:
+    """Make ``get_policy(name, ...)`` import ``target`` on first use: ``"module:attr"`` (a factory or
+    :class:`Policy` subclass) or ``"module"`` (resolved as ``learned`` is: module doc). Nothing is imported
+    here; an unimportable module shows on use (:func:`is_available` is False, :func:`get_policy` raises)."""
+    _FACTORIES.pop(name, None)
+    _LAZY[name] = target
+
+
+def unregister(name: str) -> None:
+    """Forget ``name`` (a runtime registration, a lazy module, or what either resolved to); a no-op for a
+    name not known."""
+    _FACTORIES.pop(name, None)
+    _LAZY.pop(name, None)
+
+
 def known_policies() -> list[str]:
     """All names that :func:`get_policy` may resolve (some may fail to import, e.g. ``learned`` if absent)."""
     return sorted(set(_LAZY) | set(_FACTORIES))

@@ -51,6 +51,11 @@ class SlotMap:
         return self._n
 
     @property
+    def buckets(self) -> int:
+        """Table size in buckets (a power of two); it holds at most ``MAX_LOAD`` x that many entries."""
+        return 1 << self._bits
+
+    @property
     def nbytes(self) -> int:
         """Bytes held by the table arrays."""
         return int(self._tab.nbytes)
@@ -102,7 +107,7 @@ class SlotMap:
         """Value of each key (Python ints in int64 range), in one probing pass: an absent key is inserted
         with the next value counting up from ``first`` (so a key repeated later in ``keys`` finds the
         value it was just given). Returns the values and how many keys were inserted."""
-        self._reserve(len(keys))  # no rehash in the middle of the pass
+        self.reserve(len(keys))  # no rehash in the middle of the pass
         mv, m, shift = self._mv, self._mask, self._shift
         out: list[int] = []
         put = out.append
@@ -303,7 +308,7 @@ class SlotMap:
             return v.copy()
         if (v == EMPTY).any():
             raise ValueError("SlotMap cannot store its EMPTY sentinel as a value")
-        self._reserve(k.shape[0])
+        self.reserve(k.shape[0])
         ks, vs, m = self._keys, self._vals, self._mask
         out = v.copy()
         act = np.arange(k.shape[0], dtype=np.int64)
@@ -345,8 +350,9 @@ class SlotMap:
         self._n += added
         return out
 
-    def _reserve(self, extra: int) -> None:
-        """Grow the table (one rehash) so ``extra`` more entries stay within ``MAX_LOAD``."""
+    def reserve(self, extra: int) -> None:
+        """Grow the table (one rehash) so ``extra`` more entries stay within ``MAX_LOAD``; nothing if they
+        already do. Entries and lookups are unchanged."""
         bits = self._bits
         while int((1 << bits) * MAX_LOAD) < self._n + extra:
             bits += 1

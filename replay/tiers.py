@@ -258,6 +258,11 @@ class TierStack:
         return self._t[0].policy
 
     @property
+    def tier_policies(self) -> tuple[Policy, ...]:
+        """Each tier's placement policy, fastest first (as :attr:`tier_names`; the first is :attr:`top`)."""
+        return tuple(s.policy for s in self._t)
+
+    @property
     def links(self) -> dict[str, int]:
         """Bytes moved per link: promotions ``tier->top`` and demotions ``upper->lower``."""
         st, bb = self._t, self.block_bytes

@@ -40,8 +40,8 @@ async def _flood(
     client = httpx.AsyncClient()
     sub = KvEventSubscriber("kv:flood", "http://127.0.0.1:1", ingestor=ing, client=client,
                             registry=CollectorRegistry(), context=ctx)  # fmt: skip
-    sub._configure((KvSource(0, "tcp://127.0.0.1:0", None, TOPIC.decode()),))
-    addr = sub._states[0].sub.getsockopt_string(zmq.LAST_ENDPOINT)
+    sub.configure((KvSource(0, "tcp://127.0.0.1:0", None, TOPIC.decode()),))
+    addr = sub.socket_endpoint(0)
     pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.SNDHWM, 0)
     pub.setsockopt(zmq.LINGER, 0)

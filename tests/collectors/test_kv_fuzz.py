@@ -337,10 +337,8 @@ async def _run(sc: Scenario) -> tuple[KvEventSubscriber, float, dict[str, Any]]:
         context=ctx,
         replay_timeout_s=1.0,
     )
-    sub._configure((KvSource(0, "tcp://127.0.0.1:0", None, TOPIC.decode()),))  # SUB binds a free port
-    endpoint = sub._states[0].sub.getsockopt(zmq.LAST_ENDPOINT)
-    assert isinstance(endpoint, bytes)
-    addr = endpoint.decode()
+    sub.configure((KvSource(0, "tcp://127.0.0.1:0", None, TOPIC.decode()),))  # SUB binds a free port
+    addr = sub.socket_endpoint(0)
     pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.SNDHWM, 0)
     pub.setsockopt(zmq.LINGER, 0)

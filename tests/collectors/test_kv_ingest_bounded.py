@@ -53,8 +53,8 @@ def test_bounded_index_reclaims_in_bulk_and_keeps_every_resident_block(
     assert ing.blocks_tracked()["gpu"] == len(live) == idx.count_by_tier()[Tier.GPU]
     slots = idx.slots_of(live)
     assert (slots >= 0).all() and (idx.tiers[slots] & 1).all()  # every resident block indexed, in gpu
-    used = np.flatnonzero(idx.used[: idx._n])
-    assert (idx.slots_of_keys(idx.hash[used]) == used).all() and len(idx._slot) == used.size
+    used = np.flatnonzero(idx.used[: idx.n_rows])
+    assert (idx.slots_of_keys(idx.hash[used]) == used).all() and len(idx) == used.size
     assert (idx.n_children[used] >= 0).all()
 
 

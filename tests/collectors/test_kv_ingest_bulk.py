@@ -172,7 +172,7 @@ def test_bulk_ingest_equals_one_by_one(seed: int, flush_every: int) -> None:
     a, b = ref.index, ing.flushed_index()
     assert len(a) == len(b) and a.count_by_tier() == b.count_by_tier()
     assert b.count_by_tier() == {t: len(ref.rc[t]) for t in TIER_ORDER}
-    for k in a._slot:
+    for k in a.hash[np.flatnonzero(a.used[: a.n_rows])].tolist():
         sa, sb = a.get(k), b.get(k)
         assert sa is not None and sb is not None
         assert sa.tiers == sb.tiers and sa.parent == sb.parent and sa.depth == sb.depth

@@ -117,7 +117,7 @@ async def _gap_scenario(replay: bool) -> KvEventSubscriber:
     sub = KvEventSubscriber("kv:test", "http://127.0.0.1:1", ingestor=KvIngestor(), client=httpx.AsyncClient(),  # noqa: E501
                             registry=CollectorRegistry(), context=ctx, replay_timeout_s=5.0)  # fmt: skip
     src = KvSource(0, "tcp://127.0.0.1:0", f"tcp://127.0.0.1:{rport}" if replay else None, "kv")
-    sub._configure((src,))
+    sub.configure((src,))
     buffered = {s: frames(s, [stored([100 + s])]) for s in range(5)}
 
     async def serve_replay() -> None:
@@ -197,7 +197,7 @@ def test_unknown_medium_is_a_counted_skip_never_gpu() -> None:
 
     sub = asyncio.run(run())
     assert sub.health.errors_by_kind == {"unknown_medium": 4}
-    assert sub.metrics.errors.labels(collector=sub.name)._value.get() == 4
+    assert sub.registry.get_sample_value("kvtier_collector_errors_total", {"collector": sub.name}) == 4
     # nothing was guessed: block 2/6 nowhere, block 1 not removed, the GPU pool not cleared
     assert sub.ingestor.blocks_tracked() == {"gpu": 4, "cpu": 0, "disk": 0, "remote": 0}
     assert 2 not in sub.ingestor.flushed_index() and 6 not in sub.ingestor.flushed_index()
@@ -214,7 +214,7 @@ def _sub(replay_endpoint: str | None = None) -> KvEventSubscriber:
     """A subscriber whose SUB socket is bound to a free port (tests call ``handle`` directly)."""
     sub = KvEventSubscriber("kv:test", "http://127.0.0.1:1", ingestor=KvIngestor(), client=httpx.AsyncClient(),  # noqa: E501
                             registry=CollectorRegistry(), context=zmq.asyncio.Context.instance())  # fmt: skip
-    sub._configure((KvSource(0, "tcp://127.0.0.1:0", replay_endpoint, "kv"),))
+    sub.configure((KvSource(0, "tcp://127.0.0.1:0", replay_endpoint, "kv"),))
     return sub
 
 

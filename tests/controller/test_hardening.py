@@ -232,7 +232,18 @@ def test_read_only_database_refuses_writes_without_changing_memory(srv: Server) 
     c = httpx.Client(base_url=srv.url, timeout=10)
     pin = c.post("/v1/pins", json={"block_hash": "00000000000000aa"}, headers=AUTH).json()
     store = srv.sidecar.plane.store
-    store._db.execute("PRAGMA query_only = ON")  # the file turned read-only under the running process
+    # the database refuses writes under the running process: another connection to the same file makes
+    # every write to pins and kv abort (the store's own connection is left as it is)
+    assert store.path.name == "kvtier.sqlite3"
+    other = sqlite3.connect(store.path)
+    refuse = ("INSERT", "UPDATE", "DELETE")
+    with other:
+        for table in ("pins", "kv"):
+            for op in refuse:
+                other.execute(
+                    f"CREATE TRIGGER refuse_{op}_{table} BEFORE {op} ON {table} "
+                    f"BEGIN SELECT RAISE(ABORT, 'attempt to write a readonly database'); END"
+                )
     r = c.post("/v1/pins", json={"block_hash": "00000000000000bb"}, headers=AUTH)
     assert r.status_code == 503
     assert c.delete(f"/v1/pins/{pin['id']}", headers=AUTH).status_code == 503
@@ -241,7 +252,11 @@ def test_read_only_database_refuses_writes_without_changing_memory(srv: Server) 
     assert c.patch("/v1/policy", json={"mode": "off"}, headers=AUTH).status_code == 503
     assert c.get("/v1/policy").json()["mode"] == "shadow"
     assert 'kvtier_state_errors_total{kind="write"} 3.0' in c.get("/metrics").text
-    store._db.execute("PRAGMA query_only = OFF")
+    with other:
+        for table in ("pins", "kv"):
+            for op in refuse:
+                other.execute(f"DROP TRIGGER refuse_{op}_{table}")
+    other.close()
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "bad_pin_row", "newer_schema", "pickled_model"])
@@ -348,7 +363,7 @@ def test_status_hides_stream_positions_without_token(srv: Server) -> None:
     sc = srv.sidecar.collectors
     sub = KvEventSubscriber("kv", "http://127.0.0.1:1", ingestor=sc.ingestor, client=sc.client,
                             registry=CollectorRegistry(), context=sc.zctx)  # fmt: skip
-    sub._configure((KvSource(0, f"tcp://127.0.0.1:{free_port()}", None, ""),))
+    sub.configure((KvSource(0, f"tcp://127.0.0.1:{free_port()}", None, ""),))
     sc.subscribers.append(sub)
     sc.metrics_collectors.append(sc.metrics_collectors[0] if sc.metrics_collectors else _metrics(srv))
     try:

@@ -43,17 +43,17 @@ class Recorder(Actuator):
     def capabilities(self) -> frozenset[Capability]:
         return frozenset({Capability.DEMOTE, Capability.PREFETCH})
 
-    def _do(self, action: str, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
+    def record(self, action: str, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
         self.calls.append((action, [b.layer_key for b in blocks], to.value))
         if self.fail:
             raise ConnectionError("layer down")
         return ActuationResult(self.name, action, [KeyOutcome(b.layer_key, Outcome.APPLIED) for b in blocks])
 
     def demote(self, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
-        return self._do("demote", blocks, to)
+        return self.record("demote", blocks, to)
 
     def prefetch(self, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
-        return self._do("prefetch", blocks, to)
+        return self.record("prefetch", blocks, to)
 
 
 class Clock:
@@ -380,13 +380,13 @@ def test_run_counts_tick_timeouts_and_skips_overlapping_ticks() -> None:
     loop, idx, act, reg, _, clock = make()
     fill_gpu(idx, clock)
     release = threading.Event()
-    orig = act._do
+    orig = act.record
 
     def stuck(action: str, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
         release.wait(timeout=30)
         return orig(action, blocks, to)
 
-    act._do = stuck
+    act.record = stuck
     loop.set_policy(loop.policy.model_copy(update={"tick_timeout_s": 0.2, "tick_interval_s": 0.05}))
 
     def sample(outcome: str) -> float:
@@ -437,7 +437,7 @@ def test_outcomes_keyed_by_layer_keys_are_attributed_per_ref_and_routing_respect
         name = "lmcache-mp"
         tiers = frozenset({Tier.CPU, Tier.DISK})
 
-        def _do(self, action: str, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
+        def record(self, action: str, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
             self.calls.append((action, [b.layer_key for b in blocks], to.value))
             out = [KeyOutcome(f"{b.layer_key}@chunk{i}", Outcome.APPLIED) for b in blocks for i in range(2)]
             return ActuationResult(self.name, action, out)
@@ -565,7 +565,7 @@ def test_active_mode_without_a_recreating_actuator_spends_the_budget_on_feasible
             return frozenset({Capability.PROMOTE})
 
         def promote(self, blocks: Sequence[BlockRef], to: Tier) -> ActuationResult:
-            return self._do("promote", blocks, to)
+            return self.record("promote", blocks, to)
 
     loop, idx, _, _, _, clock = make()
     layer = Layer()

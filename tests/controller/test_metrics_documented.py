@@ -78,10 +78,13 @@ def registered_labels(
     """(metric -> label names, metric -> label -> values created so far), under the exposed names."""
     names: dict[str, set[str]] = {}
     values: dict[str, dict[str, set[str]]] = {}
-    for col in set(registry._names_to_collectors.values()):  # noqa: SLF001 - label names of unset series
+    # prometheus_client has no public read of a labelled metric's label names before a series exists
+    # (collect() shows series only): its private fields, read here and nowhere in kvtier
+    for col in set(registry._names_to_collectors.values()):  # noqa: SLF001 - see above
         kind: Any = getattr(col, "_type", None)
         if kind is not None and hasattr(col, "_labelnames"):
-            names[col._name + ("_total" if kind == "counter" else "")] = set(col._labelnames)  # type: ignore[attr-defined]
+            name = col._name + ("_total" if kind == "counter" else "")  # type: ignore[attr-defined]  # noqa: SLF001
+            names[name] = set(col._labelnames)  # noqa: SLF001
     for fam in registry.collect():
         name = fam.name + ("_total" if fam.type == "counter" else "")
         for smp in fam.samples:

@@ -100,11 +100,11 @@ def test_docs_render_offline_in_chromium(dead_engine: Served, tmp_path: Path) ->
     from tests.e2e import browser
 
     offline = "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"
-    dom = browser._run(["--virtual-time-budget=8000", offline, "--dump-dom", dead_engine.url + "/docs"], 120)
+    dom = browser.run(["--virtual-time-budget=8000", offline, "--dump-dom", dead_engine.url + "/docs"], 120)
     assert 'class="swagger-ui' in dom.stdout and "/readyz" in dom.stdout, dom.stdout[-2000:]
     assert "opblock" in dom.stdout  # operations were rendered from /openapi.json
     png = Path(os.environ.get("KVTIER_DOCS_PNG", tmp_path / "docs.png"))
-    browser._run(
+    browser.run(
         ["--window-size=1280,900", "--virtual-time-budget=8000", offline, f"--screenshot={png}",
          dead_engine.url + "/docs"],
         120,

@@ -37,7 +37,7 @@ def test_heuristic_matches_the_reference_formula_exactly(tau_ms: float) -> None:
     for now in (3.9e6, 4.2e6):
         want = _reference(idx, n, now, tau_ms)
         with_scratch = pred.predict(idx, n, now).copy()
-        without = pred._predict(idx, n, now)
+        without = pred.predict_full(idx, n, now)
         assert with_scratch.dtype == np.float32
         assert np.array_equal(with_scratch.view(np.uint32), want.view(np.uint32))
         assert np.array_equal(without.view(np.uint32), want.view(np.uint32))
@@ -55,7 +55,7 @@ def test_heuristic_incremental_rows_equal_the_full_formula_after_every_kind_of_c
     now = 10_000.0
 
     def check(index: BlockIndex) -> None:
-        n = int(index._n)
+        n = index.n_rows
         got = pred.predict(index, n, now)
         want = _reference(index, n, now, pred.tau_ms)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
@@ -189,9 +189,9 @@ def test_observe_fills_unknown_sizes_with_block_bytes_exactly() -> None:
 
     n = 140_000
     idx = BlockIndex(initial_capacity=n)
-    for b in range(1, 11):
+    for b in range(1, n + 1):  # every row is observed (only the size column matters here)
         idx.store(b, None, 1, 4096, 1000.0)
-    idx._n = n  # every row is observed (only the size column matters here)
+    assert idx.n_rows == n
     rng = np.random.default_rng(1)
     nb = rng.integers(1, 1 << 31, n)
     nb[rng.random(n) < 0.3] = 0
@@ -237,7 +237,7 @@ def test_observed_sizes_refresh_incrementally_and_equal_a_full_fill_after_every_
 
     def check() -> None:
         got = loop.stages.observe.view(loop.index, loop.policy).nbytes
-        n = int(idx._n)
+        n = idx.n_rows
         want = np.where(idx.nbytes[:n] <= 0, loop.policy.block_bytes, idx.nbytes[:n])
         assert got.shape == (n,) and np.array_equal(got, want)
 

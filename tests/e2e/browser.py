@@ -28,7 +28,8 @@ def chromium() -> str:
     raise ChromiumMissing("chromium not on PATH: run scripts/setup-peers.sh (apt-get install chromium)")
 
 
-def _run(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+def run(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Headless Chromium with ``args`` on a throwaway profile, at most ``timeout_s`` seconds (text output)."""
     profile = tempfile.mkdtemp(prefix="kvtier-chromium-")
     cmd = [
         chromium(),
@@ -66,7 +67,7 @@ def screenshot(
     out = Path(out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
-    _run(
+    run(
         [
             f"--window-size={width},{height}",
             f"--virtual-time-budget={virtual_time_ms}",
@@ -82,7 +83,7 @@ def screenshot(
 
 def dump_dom(url: str, virtual_time_ms: int = 3000, timeout_s: float = 120.0) -> str:
     """The serialized DOM of ``url`` after its scripts ran for ``virtual_time_ms``."""
-    return _run([f"--virtual-time-budget={virtual_time_ms}", "--dump-dom", url], timeout_s).stdout
+    return run([f"--virtual-time-budget={virtual_time_ms}", "--dump-dom", url], timeout_s).stdout
 
 
 def png_size(path: Path) -> tuple[int, int]:

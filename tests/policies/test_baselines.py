@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvtier.policies.base import Request
+from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.registry import CLASSIC, get_policy
 from kvtier.replay.engine import replay
 
@@ -157,9 +158,10 @@ def test_bulk_path_equals_exact_loop(policy: str) -> None:
     reqs = random_tree_trace(400, seed=11) + [req(5, 5, 6), req(6, 7, 6)]  # incl. repeated ids
     for cap in (1, 3, 8, 30, 200):
         bulk, exact = get_policy(policy, cap), get_policy(policy, cap)
+        assert isinstance(bulk, LRUPolicy) and isinstance(exact, LRUPolicy)  # FIFOPolicy is one too
         for r in reqs:
             a = bulk.access(r)
-            b = exact._access_exact(r.hash_ids.tolist())  # type: ignore[attr-defined]
+            b = exact.access_exact(r.hash_ids.tolist())
             assert a.tolist() == b.tolist()
             assert bulk.drain_evicted() == exact.drain_evicted()
-            assert list(bulk._od) == list(exact._od)  # type: ignore[attr-defined]
+            assert bulk.eviction_order() == exact.eviction_order()

@@ -18,8 +18,7 @@ def _req(t_s: float, ids: list[int]) -> Request:
 
 def _stored(pol: LearnedPolicy, n_rows: int) -> np.ndarray:
     """The last ``n_rows`` stored feature rows (as the ring reads them back), oldest first."""
-    e = np.arange(pol._n_events - n_rows, pol._n_events) % pol._E
-    return pol._ev_x[e]
+    return pol.stored_features(n_rows)
 
 
 def test_extra_features_are_appended_in_a_fixed_order_and_validated() -> None:
@@ -27,7 +26,7 @@ def test_extra_features_are_appended_in_a_fixed_order_and_validated() -> None:
     assert LearnedPolicy(10).feature_names == FEATURE_NAMES + ("log_life_s", "first_log_seen")  # default
     pol = LearnedPolicy(10, extra_features=("first_log_seen", "log_life_s"))
     assert pol.feature_names == FEATURE_NAMES + ("log_life_s", "first_log_seen")
-    assert pol._ev_x.n_cols == N_FEATURES + 2
+    assert pol.stored_features(0).shape == (0, N_FEATURES + 2)
     with pytest.raises(ValueError, match="unknown extra features"):
         LearnedPolicy(10, extra_features=("time_of_day",))
 
@@ -113,8 +112,8 @@ def test_a_fit_runs_on_one_blas_thread_and_restores_the_pool(monkeypatch: pytest
     y = x[:, 0] + rng.normal(size=500) > 0
     m = BinnedLogit()
     m.fit(x, y)
-    ctrl = predictor._blas_controller()
+    ctrl = predictor.blas_controller()
     m.fit(x, y)
     assert during == [{1}, {1}]
-    assert predictor._blas_controller() is ctrl
+    assert predictor.blas_controller() is ctrl
     assert {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"} == before

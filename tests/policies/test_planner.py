@@ -186,7 +186,7 @@ def test_desired_tier_pruned_ranking_equals_ranking_every_candidate(
         default_budget=LinkBudget(bytes_per_s=1e12, ops_per_s=500.0),
     )
     kept: list[tuple[int, int]] = []
-    vb = planner_mod._ValueBounds
+    vb = planner_mod.ValueBounds
     lowest, highest = vb.lowest_candidates, vb.highest_gain_candidates
     lowest_m, highest_m = vb.lowest_in_mask, vb.highest_gain_in_mask
 
@@ -256,7 +256,7 @@ def test_promotion_candidates_from_the_probe_equal_ranking_every_qualifying_row(
         default_budget=LinkBudget(bytes_per_s=1e12, ops_per_s=300.0),
     )
     pins = {int(h): Tier.DISK for h in rng.choice(v.hashes, 500, replace=False)}
-    up = planner_mod._UpMoves
+    up = planner_mod.UpMoves
     used: list[tuple[int, int]] = []
     cands = up.candidates
 
@@ -291,7 +291,7 @@ def test_mask_bounds_keep_the_exact_top_k(shape: str) -> None:
     """The mask variants of the value bounds (sampled probe, one cut over P) keep every row of the exact k
     lowest values / k highest gains of the mask, in ascending row order; a mask whose strided sample is too
     thin (one dense run, a few rows) and a P with NaN or negative entries fall back to the row variants."""
-    from kvtier.policies.planner import _FIRST_RANK, _smallest, _ValueBounds
+    from kvtier.policies.planner import _FIRST_RANK, ValueBounds, _smallest
 
     rng = np.random.default_rng(len(shape))
     n, k = 120_000, 50
@@ -316,7 +316,7 @@ def test_mask_bounds_keep_the_exact_top_k(shape: str) -> None:
         np.zeros(n, np.bool_),
     )
     bw = np.array([1e12, 2e10, 2e9, 1e9, 1e9])
-    vb = _ValueBounds(v, bw, 1e-4)
+    vb = ValueBounds(v, bw, 1e-4)
 
     def value(rows: np.ndarray, rank: int | np.ndarray) -> np.ndarray:
         return p[rows].astype(np.float64) * (v.tokens[rows] * 1e-4 - v.nbytes[rows] / bw[rank])

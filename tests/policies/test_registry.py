@@ -31,9 +31,17 @@ def test_register_and_lazy_module(monkeypatch: pytest.MonkeyPatch) -> None:
 
     mod.Lazy = Lazy  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "kvtier_fake_policy_mod", mod)
-    monkeypatch.setitem(registry._LAZY, "lazy-one", "kvtier_fake_policy_mod")
-    assert isinstance(registry.get_policy("lazy-one", 3), Lazy)
-    monkeypatch.setitem(registry._LAZY, "broken", "kvtier_no_such_module_xyz")
-    assert not registry.is_available("broken")
-    with pytest.raises(KeyError, match="cannot import"):
-        registry.get_policy("broken", 3)
+    registry.register_module("lazy-one", "kvtier_fake_policy_mod")
+    registry.register_module("broken", "kvtier_no_such_module_xyz")
+    try:
+        assert "lazy-one" in registry.known_policies()
+        assert isinstance(registry.get_policy("lazy-one", 3), Lazy)
+        assert not registry.is_available("broken")
+        with pytest.raises(KeyError, match="cannot import"):
+            registry.get_policy("broken", 3)
+    finally:
+        registry.unregister("lazy-one")
+        registry.unregister("broken")
+    assert "lazy-one" not in registry.known_policies() and "broken" not in registry.known_policies()
+    with pytest.raises(KeyError, match="unknown policy"):
+        registry.get_policy("lazy-one", 3)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.policies.slotmap import EMPTY, LogitCache, SlotMap
+from kvtier.policies.slotmap import EMPTY, MAX_LOAD, LogitCache, SlotMap
 
 _I64 = np.iinfo(np.int64)
 
@@ -195,7 +195,9 @@ def test_rehash_places_keys_whose_probe_runs_wrap_past_the_last_bucket() -> None
         m.put(k, i)
         ref[k] = i
         assert m.get(k) == i
-    m._rehash(m._bits + 1)  # one more (a rehash of a full run at the end)
+    b = m.buckets
+    m.reserve(int(b * MAX_LOAD) - len(m) + 1)  # one more (a rehash of a full run at the end)
+    assert m.buckets == 2 * b
     assert dict(zip(*(a.tolist() for a in m.items()), strict=True)) == ref
     assert m.get_many(np.array(list(ref), dtype=np.int64)).tolist() == list(ref.values())
     for k in top[::3] + low[::4]:

@@ -59,10 +59,10 @@ def test_demote_promote_and_cost() -> None:
     hit, tier, ttft = st.access(r(1, 2))
     assert hit.tolist() == [False, False] and ttft == pytest.approx(1024 / 10000 * 1e3)
     st.access(r(3, 4))  # 1, 2 demoted to cpu
-    assert st._t[1].policy.contains(1) and not st.top.contains(1)
+    assert st.tier_policies[1].contains(1) and not st.top.contains(1)
     hit, tier, ttft = st.access(r(1, 5))  # 1 promoted from cpu; 5 computed
     assert tier.tolist() == [1, -1]
-    assert not st._t[1].policy.contains(1) and st.top.contains(1)  # exclusive
+    assert not st.tier_policies[1].contains(1) and st.top.contains(1)  # exclusive
     # 1 block from cpu: 0.5 ms latency + 64 MiB at (64 MiB per ms) = 1.5 ms, plus 512 tokens of prefill
     assert ttft == pytest.approx(0.5 + 1.0 + 512 / 10000 * 1e3)
     s = st.ttft_summary()
