@@ -263,12 +263,18 @@ class RunResult:
     counters: dict[str, float] = field(default_factory=dict)
     actuations: dict[str, float] = field(default_factory=dict)
     guard: dict[str, float] = field(default_factory=dict)
+    # per request, in send order: when it was sent and when its first token came (s from the run's start;
+    # NaN when it failed) -- the arrival process a simulator can replay against the layer's own clocks
+    sent_at_s: list[float] = field(default_factory=list)
+    first_token_at_s: list[float] = field(default_factory=list)
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest) -> float | None:
+async def _one(
+    client: httpx.AsyncClient, url: str, model: str, req: BenchRequest, t0: float | None = None
+) -> float | None:
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
             "temperature": 0.0, "ignore_eos": True}  # fmt: skip
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if t0 is None else t0
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -291,10 +297,13 @@ async def send_all(
     concurrency: int | None,
     on_done: Callable[[], None] = lambda: None,
     timeout_s: float = 600.0,
+    times: list[tuple[float, float]] | None = None,
 ) -> tuple[list[float], int, float]:
-    """Send every request; ``concurrency`` None = at the scaled timestamps. -> (ttfts s, failed, wall s)."""
+    """Send every request; ``concurrency`` None = at the scaled timestamps. -> (ttfts s, failed, wall s).
+    ``times``, when given, receives per request (sent at, first token at), s from the start (NaN: failed)."""
     url = engine_url.rstrip("/")
     ttfts: list[float | None] = [None] * len(reqs)
+    sent = [math.nan] * len(reqs)
     limits = httpx.Limits(max_connections=max(concurrency or 64, 1) + 4)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         t0 = time.perf_counter()
@@ -303,7 +312,9 @@ async def send_all(
 
             async def run(i: int) -> None:
                 async with sem:
-                    ttfts[i] = await _one(client, url, model, reqs[i])
+                    ts = time.perf_counter()
+                    sent[i] = ts - t0
+                    ttfts[i] = await _one(client, url, model, reqs[i], ts)
                 on_done()
 
         else:
@@ -312,11 +323,15 @@ async def send_all(
                 delay = reqs[i].at_s - (time.perf_counter() - t0)
                 if delay > 0:
                     await asyncio.sleep(delay)  # pacing to the trace clock, not synchronisation
-                ttfts[i] = await _one(client, url, model, reqs[i])
+                ts = time.perf_counter()
+                sent[i] = ts - t0
+                ttfts[i] = await _one(client, url, model, reqs[i], ts)
                 on_done()
 
         await asyncio.gather(*(run(i) for i in range(len(reqs))))
         wall = time.perf_counter() - t0
+    if times is not None:
+        times[:] = [(s_, s_ + t if t is not None else math.nan) for s_, t in zip(sent, ttfts, strict=True)]
     ok = [t for t in ttfts if t is not None]
     return ok, len(ttfts) - len(ok), wall
 
@@ -396,8 +411,9 @@ def run_once(
     lmc0 = scrape_counters(target.lmcache_url) if target.lmcache_url else {}
     act0 = scrape_labelled(target.sidecar_url, "kvtier_actuations_total") if target.sidecar_url else {}
     g0 = _guard_counters(target.sidecar_url)
+    times: list[tuple[float, float]] = []
     ttfts, failed, wall = asyncio.run(
-        send_all(target.engine_url, target.model, reqs, concurrency=concurrency, on_done=on_done)
+        send_all(target.engine_url, target.model, reqs, concurrency=concurrency, on_done=on_done, times=times)
     )
     eng1 = scrape_counters(target.engine_url)
     lmc1 = scrape_counters(target.lmcache_url) if target.lmcache_url else {}
@@ -412,6 +428,8 @@ def run_once(
         counters=counter_deltas(eng0, eng1, lmc0, lmc1),
         actuations={k: v - act0.get(k, 0.0) for k, v in act1.items() if v - act0.get(k, 0.0)},
         guard={k: v - g0.get(k, 0.0) for k, v in g1.items()},
+        sent_at_s=[a for a, _ in times],
+        first_token_at_s=[b for _, b in times],
     )
 
 

@@ -134,3 +134,49 @@ def test_interleave_rotates_arm_order() -> None:
 def test_bench_request_is_plain_data() -> None:
     r = BenchRequest(0.5, [1, 2], 2)
     assert r.max_tokens == 2
+
+
+def test_send_all_records_when_each_request_went_out_and_its_first_token_came() -> None:
+    """Against a real HTTP server streaming an OpenAI-style completion (one data line, then [DONE]); every
+    third request is refused (500): it counts as failed and its first-token time is NaN."""
+    import asyncio
+    import http.server
+    import math
+
+    from kvtier.replay.live_bench import BenchRequest, send_all
+    from tests.peers.http_server import serving
+
+    served = []
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server API
+            self.rfile.read(int(self.headers["Content-Length"]))
+            served.append(1)
+            if len(served) % 3 == 0:
+                self.send_response(500)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            body = b'data: {"choices": [{"text": "a"}]}\n\ndata: [DONE]\n\n'
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    reqs = [BenchRequest(prompt=[1, 2, 3], max_tokens=1, at_s=0.0) for _ in range(6)]
+    times: list[tuple[float, float]] = []
+    with serving(H) as url:
+        ttfts, failed, wall = asyncio.run(send_all(url, "m", reqs, concurrency=1, times=times))
+    assert failed == 2 and len(ttfts) == 4
+    assert len(times) == 6
+    sent = [s for s, _ in times]
+    assert sent == sorted(sent) and sent[0] >= 0.0 and sent[-1] <= wall  # one in flight: in send order
+    for i, (s, f) in enumerate(times):
+        if i % 3 == 2:
+            assert math.isnan(f)
+        else:
+            assert s < f <= wall
