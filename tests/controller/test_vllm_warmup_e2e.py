@@ -130,7 +130,7 @@ def test_pin_warms_prefix_into_vllm_gpu_cache(vllm: vllm_peer.VllmServer, sideca
     assert {d["layer"] for d in admits} == {"vllm-warmup"} and all(d["pinned"] for d in admits)
     assert set(pin["block_hashes"]) == {d["block_hash"] for d in admits}
 
-    metrics = c.get("/metrics/").text
+    metrics = c.get("/metrics").text
     applied = vllm_counter(metrics, "kvtier_actuations_total")
     assert applied >= n_blocks
     assert (
