@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -226,18 +227,31 @@ def predict(sc: Any, reqs: list[Request]) -> dict[str, Any]:
     return {"figures": fig, "report": rep}
 
 
-def open_loop(sc: Any) -> Any:
-    """The scenario with arrivals taken from the requests' timestamps (not from a closed-loop client)."""
-    return replace(sc, serving=replace(sc.serving, closed_loop=False, time_scale=1.0))
+def layer_at_times(
+    sc: Any, reqs: Sequence[Request], sent_at_s: Sequence[float], first_token_at_s: Sequence[float]
+) -> dict[str, float]:
+    """The layer model alone, driven at the live run's own times: each request looks up when it was sent
+    and stores its computed blocks when its first token came (prefill done); a failed request (NaN) keeps
+    the previous time. No serving model: its speed would move the layer's clock away from the real one.
+    -> the hit figures of :func:`predict` (tokens)."""
+    from kvtier.replay.sim.run import make_layer
 
-
-def at_times(reqs: Sequence[Request], sent_at_s: Sequence[float]) -> list[Request]:
-    """``reqs`` arriving when the live run sent them (s from its start; a failed request keeps its place)."""
-    out, last = [], 0.0
-    for r, t in zip(reqs, sent_at_s, strict=True):
-        last = t if t == t else last  # NaN (failed): keep the previous time
-        out.append(replace(r, timestamp_ms=last * 1000.0))
-    return out
+    layer = make_layer(sc, offload=True)
+    served = gpu0 = 0
+    t = 0.0
+    for r, s_at, f_at in zip(reqs, sent_at_s, first_token_at_s, strict=True):
+        t = s_at if s_at == s_at else t
+        layer.now = max(layer.now, t)
+        chain = r.hash_ids.tolist()
+        look = layer.lookup(chain, r.input_length, r.block_tokens)
+        hit = min(look.hit_blocks * r.block_tokens, r.input_length)
+        served += r.input_length - 1 if hit >= r.input_length > 0 else hit  # vLLM computes the last token
+        layer.now = max(layer.now, f_at if f_at == f_at else t)
+        layer.store(chain, look.hit_blocks)
+    gpu0 = layer.hit_tokens.get("gpu", 0)
+    look_t = layer.layer_lookup_tokens
+    return {"gpu": gpu0, "l1_lookup": look_t.get("cpu", 0), "l2_lookup": look_t.get("disk", 0),
+            "external": served - gpu0, "recomputed": layer.lookup_tokens - served}  # fmt: skip
 
 
 def compare(pred: dict[str, float], meas: dict[str, float]) -> list[dict[str, Any]]:
@@ -279,6 +293,7 @@ def measure(n: int, *, probe_reps: int = 6, root: Path | None = None) -> dict[st
         "measured_ttft_s": r.ttft_s,
         "measured_wall_s": r.wall_s,
         "measured_sent_at_s": r.sent_at_s,
+        "measured_first_token_at_s": r.first_token_at_s,
         "probe": pr,
         "loadavg": {"start": load0, "after_probe": load1, "after_workload": load2},
         "cpu_count": os.cpu_count(),
@@ -296,11 +311,14 @@ def run(n: int, *, rates: str = "measured", probe_reps: int = 6, scenario: str =
     sc = with_rates(sc0, fit) if rates == "measured" else sc0
     reqs = sim_requests(load_workload("bundled", live["requests"]))
     pred = predict(sc, reqs)
-    sent = live.get("measured_sent_at_s")
+    sent, first = live.get("measured_sent_at_s"), live.get("measured_first_token_at_s")
     # the layer's hits depend on the request pace against LMCache's 1 s eviction loop (a store that meets a
-    # full L1 is refused, from L2 too): replaying the measured send times gives the layer the real arrival
-    # process; the serving model then still predicts TTFT. Without recorded times: the simulated pace.
-    timed = predict(open_loop(sc), at_times(reqs, sent)) if sent and len(sent) == len(reqs) else None
+    # full L1 is refused, from L2 too): the layer model replayed at the live run's own times gives the hits;
+    # the serving model still predicts TTFT. Without recorded times: hits at the simulated pace.
+    timed = None
+    if sent and first and len(sent) == len(first) == len(reqs):
+        timed = {"figures": {**layer_at_times(sc, reqs, sent, first), "ttft_p50_s": math.nan,
+                             "ttft_p90_s": math.nan}}  # fmt: skip
     comparison = compare(pred["figures"], live["measured"])
     if timed is not None:
         hits = compare(timed["figures"], live["measured"])
