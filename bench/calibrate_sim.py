@@ -235,17 +235,17 @@ def layer_at_times(
     the previous time. No serving model: its speed would move the layer's clock away from the real one.
     -> the hit figures of :func:`predict` (tokens)."""
     from kvtier.replay.sim.run import make_layer
+    from kvtier.replay.sim.serving import engine_hit_tokens
 
     layer = make_layer(sc, offload=True)
-    served = gpu0 = 0
+    served = 0
     t = 0.0
     for r, s_at, f_at in zip(reqs, sent_at_s, first_token_at_s, strict=True):
         t = s_at if s_at == s_at else t
         layer.now = max(layer.now, t)
         chain = r.hash_ids.tolist()
         look = layer.lookup(chain, r.input_length, r.block_tokens)
-        hit = min(look.hit_blocks * r.block_tokens, r.input_length)
-        served += r.input_length - 1 if hit >= r.input_length > 0 else hit  # vLLM computes the last token
+        served += engine_hit_tokens(look.hit_blocks, r.block_tokens, r.input_length)
         layer.now = max(layer.now, f_at if f_at == f_at else t)
         layer.store(chain, look.hit_blocks)
     gpu0 = layer.hit_tokens.get("gpu", 0)

@@ -25,6 +25,13 @@ from kvtier.replay.sim.layer import CacheLayer
 from kvtier.replay.sim.scenario import Scenario
 
 
+def engine_hit_tokens(hit_blocks: int, block_tokens: int, input_tokens: int) -> int:
+    """Prompt tokens the engine takes from cache for ``hit_blocks`` cached blocks: never the last token
+    (vLLM always computes it, to produce the first output token)."""
+    hit = min(hit_blocks * block_tokens, input_tokens)
+    return input_tokens - 1 if hit >= input_tokens > 0 else hit
+
+
 @dataclass
 class RequestRecord:
     arrival_s: float
@@ -127,9 +134,7 @@ class ServingModel:
             self.layer.now = env.now
             chain = r.hash_ids.tolist()
             look = self.layer.lookup(chain, r.input_length, r.block_tokens)
-            hit = min(look.hit_blocks * r.block_tokens, r.input_length)
-            if hit >= r.input_length and r.input_length > 0:
-                hit = r.input_length - 1  # the last token is always computed (vLLM)
+            hit = engine_hit_tokens(look.hit_blocks, r.block_tokens, r.input_length)
             rec.hit_tokens = hit
             if look.ready_at > env.now:
                 rec.load_s = look.ready_at - env.now
