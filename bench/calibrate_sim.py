@@ -19,10 +19,11 @@ LRU + fs L2, vLLM CPU with a 96-block prefix cache and LMCacheMPConnector, no si
 2. **Workload**: the first ``--requests`` of the bundled trace with ``kvtier bench``'s prompt construction
    (:func:`kvtier.replay.live_bench.build_requests`: each hash id a fixed 64-token chunk, at most 15 chunks,
    2 output tokens), sent one at a time; hit tokens from vLLM's and LMCache's own counters, client TTFT.
-3. **Prediction**: the same requests (each trace request's first 15 hash ids as 64-token blocks) through
-   the simulator's ``default`` arm (:func:`kvtier.controller.demo.run_baseline`) with
-   ``scenarios/cpu-tiny.yaml``, its compute and link figures replaced by the probe's (``--rates scenario``
-   keeps the file's, measured once when it was written).
+3. **Prediction**: hit tokens per tier from the layer model of ``scenarios/cpu-tiny.yaml`` replayed at the
+   run's own send / first-token times, with LMCache's L1 eviction loop at the phase and period observed
+   around the workload (:func:`layer_at_times`); TTFT from the same requests through the simulator's
+   ``default`` arm (:func:`kvtier.controller.demo.run_baseline`), its compute and link figures replaced by
+   the probe's (``--rates scenario`` keeps the file's, measured once when it was written).
 
 Printed and written (``--json``): per tier, predicted vs measured hit tokens and their ratio; TTFT p50/p90;
 the probe's fits; the load average. Targets (issue 15): hit tokens within 10 %, TTFT p50 within 25 %.
@@ -228,16 +229,28 @@ def predict(sc: Any, reqs: list[Request]) -> dict[str, Any]:
 
 
 def layer_at_times(
-    sc: Any, reqs: Sequence[Request], sent_at_s: Sequence[float], first_token_at_s: Sequence[float]
+    sc: Any,
+    reqs: Sequence[Request],
+    sent_at_s: Sequence[float],
+    first_token_at_s: Sequence[float],
+    loop_ticks: Sequence[Sequence[float]] | None = None,
 ) -> dict[str, float]:
     """The layer model alone, driven at the live run's own times: each request looks up when it was sent
     and stores its computed blocks when its first token came (prefill done); a failed request (NaN) keeps
     the previous time. No serving model: its speed would move the layer's clock away from the real one.
-    -> the hit figures of :func:`predict` (tokens)."""
-    from kvtier.replay.sim.run import make_layer
+    ``loop_ticks`` (two ``(s from the run's start, tick count)`` observations of LMCache's L1 eviction loop,
+    :func:`observe_loop_tick`) put the model's loop at the real loop's phase and period: which stores meet a
+    full L1 depends on it (docs/perf/calibration.md). -> the hit figures of :func:`predict` (tokens) and
+    the chunks the model's L1 refused (``l1_refused``) or could not stage L2 hits in (``l2_unstaged``)."""
+    from kvtier.replay.sim.layer import CacheLayer
     from kvtier.replay.sim.serving import engine_hit_tokens
 
-    layer = make_layer(sc, offload=True)
+    first_run, bh = None, sc.layer
+    if loop_ticks is not None:
+        first_run, period = loop_schedule(loop_ticks)
+        bh = replace(sc.layer, l1_eviction_interval_s=period)
+    layer = CacheLayer(sc.tiers, sc.block_bytes, offload=True, disk_admission=sc.disk_admission,
+                       behaviour=bh, l1_loop_first_s=first_run)  # fmt: skip
     served = 0
     t = 0.0
     for r, s_at, f_at in zip(reqs, sent_at_s, first_token_at_s, strict=True):
@@ -251,7 +264,45 @@ def layer_at_times(
     gpu0 = layer.hit_tokens.get("gpu", 0)
     look_t = layer.layer_lookup_tokens
     return {"gpu": gpu0, "l1_lookup": look_t.get("cpu", 0), "l2_lookup": look_t.get("disk", 0),
-            "external": served - gpu0, "recomputed": layer.lookup_tokens - served}  # fmt: skip
+            "external": served - gpu0, "recomputed": layer.lookup_tokens - served,
+            "l1_refused": layer.store_failures, "l2_unstaged": layer.l2_staging_failures}  # fmt: skip
+
+
+def loop_schedule(ticks: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """Two observed ticks ``(time s, count)`` of a periodic loop -> (its first run at or after time 0, its
+    period s). The period is measured, not assumed: LMCache's loop sleeps 1 s and then works, so it drifts."""
+    (ta, ca), (tb, cb) = ticks[0], ticks[1]
+    if cb <= ca or tb <= ta:
+        raise ValueError(f"loop ticks must advance: {ticks!r}")
+    period = (tb - ta) / (cb - ca)
+    return ta + math.ceil(-ta / period) * period if ta < 0 else ta, period
+
+
+def observe_loop_tick(
+    url: str,
+    counter: str = "lmcache_mp_l1_eviction_loop_ticks_total",
+    *,
+    timeout_s: float = 5.0,
+    poll_s: float = 0.01,
+    clock: Any = time.perf_counter,
+) -> tuple[float, float]:
+    """Poll ``url``/metrics until ``counter`` changes -> (when it changed, on ``clock``: the middle of the
+    last poll interval; its new value). Bounded by ``timeout_s`` (a ``TimeoutError``)."""
+    from kvtier.replay.live_bench import scrape_counters
+
+    deadline = clock() + timeout_s
+    c0 = scrape_counters(url).get(counter)
+    if c0 is None:
+        raise LookupError(f"{url}/metrics has no {counter}")
+    last = clock()
+    while clock() < deadline:
+        c = scrape_counters(url).get(counter, c0)
+        now = clock()
+        if c != c0:
+            return (last + now) / 2, c
+        last = now
+        time.sleep(poll_s)  # polling a peer's counter at a fixed cadence, not synchronisation
+    raise TimeoutError(f"{counter} did not change in {timeout_s} s")
 
 
 def compare(pred: dict[str, float], meas: dict[str, float]) -> list[dict[str, Any]]:
@@ -275,7 +326,10 @@ def measure(n: int, *, probe_reps: int = 6, root: Path | None = None) -> dict[st
         target = stack.up("baseline", 0)
         pr = probe(target, reps=probe_reps)
         load1 = os.getloadavg()
+        assert target.lmcache_url is not None
+        tick0 = observe_loop_tick(target.lmcache_url)
         r = run_once("baseline", target, breqs, concurrency=1)
+        tick1 = observe_loop_tick(target.lmcache_url)
         load2 = os.getloadavg()
     finally:
         stack.down("", -1)
@@ -294,6 +348,8 @@ def measure(n: int, *, probe_reps: int = 6, root: Path | None = None) -> dict[st
         "measured_wall_s": r.wall_s,
         "measured_sent_at_s": r.sent_at_s,
         "measured_first_token_at_s": r.first_token_at_s,
+        # LMCache's L1 eviction loop, observed before and after the workload: (s from its start, tick count)
+        "l1_loop_ticks": [[tick0[0] - r.started_perf_s, tick0[1]], [tick1[0] - r.started_perf_s, tick1[1]]],
         "probe": pr,
         "loadavg": {"start": load0, "after_probe": load1, "after_workload": load2},
         "cpu_count": os.cpu_count(),
@@ -317,8 +373,8 @@ def run(n: int, *, rates: str = "measured", probe_reps: int = 6, scenario: str =
     # the serving model still predicts TTFT. Without recorded times: hits at the simulated pace.
     timed = None
     if sent and first and len(sent) == len(first) == len(reqs):
-        timed = {"figures": {**layer_at_times(sc, reqs, sent, first), "ttft_p50_s": math.nan,
-                             "ttft_p90_s": math.nan}}  # fmt: skip
+        timed = {"figures": {**layer_at_times(sc, reqs, sent, first, live.get("l1_loop_ticks")),
+                             "ttft_p50_s": math.nan, "ttft_p90_s": math.nan}}  # fmt: skip
     comparison = compare(pred["figures"], live["measured"])
     if timed is not None:
         hits = compare(timed["figures"], live["measured"])
@@ -329,7 +385,11 @@ def run(n: int, *, rates: str = "measured", probe_reps: int = 6, scenario: str =
         "scenario": scenario,
         "probe_fit": fit,
         "comparison": comparison,
-        "hit_timing": "measured send times" if timed is not None else "simulated pace",
+        "hit_timing": (
+            "simulated pace"
+            if timed is None
+            else "measured send times" + (" and eviction-loop phase" if live.get("l1_loop_ticks") else "")
+        ),  # fmt: skip
         "predicted": pred["figures"],
         "predicted_at_measured_times": timed["figures"] if timed is not None else None,
         "sim_report": pred["report"],
@@ -353,6 +413,13 @@ def render(out: dict[str, Any]) -> str:
         fmt = "{:12.3f}" if "TTFT" in row["figure"] else "{:12.0f}"
         lines.append(f"{row['figure']:40s} {fmt.format(row['predicted'])} {fmt.format(row['measured'])} "
                      f"{row['ratio']:7.3f}")  # fmt: skip
+    timed, meas = out.get("predicted_at_measured_times") or {}, out["measured"]
+    for lbl, k, m in (
+        ("L1 stores refused (chunks)", "l1_refused", "l1_allocation_failure_chunks"),
+        ("L2 hits unstaged (chunks)", "l2_unstaged", "l2_prefetch_failure_chunks"),
+    ):
+        if k in timed and m in meas:  # the two mechanisms the pace acts through, side by side
+            lines.append(f"{lbl:40s} {timed[k]:12.0f} {meas[m]:12.0f}")
     p = out["probe_fit"]
     lines.append(f"probe: c0 {p['c0_s'] * 1e3:.1f} ms, "
                  f"prefill {p['prefill_s_per_token'] * 1e6:.1f} us/token, "

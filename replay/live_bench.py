@@ -244,6 +244,9 @@ def counter_deltas(
         "l2_hit_tokens": _d(lmc1, lmc0, "lmcache_mp_lookup_hit_l2_tokens_total"),
         "l2_prefetch_chunks": _d(lmc1, lmc0, "lmcache_mp_l2_prefetch_load_completed_chunks_total"),
         "l1_evicted_chunks": _d(lmc1, lmc0, "lmcache_mp_l1_evicted_chunks_total"),
+        # stores a full L1 refused, and L2 hits lost for want of L1 staging room (or contention)
+        "l1_allocation_failure_chunks": _d(lmc1, lmc0, "lmcache_mp_l1_allocation_failure_chunks_total"),
+        "l2_prefetch_failure_chunks": _d(lmc1, lmc0, "lmcache_mp_l2_prefetch_failure_chunks_total"),
     }
 
 
@@ -267,6 +270,7 @@ class RunResult:
     # NaN when it failed) -- the arrival process a simulator can replay against the layer's own clocks
     sent_at_s: list[float] = field(default_factory=list)
     first_token_at_s: list[float] = field(default_factory=list)
+    started_perf_s: float = math.nan  # the run's start on time.perf_counter's clock
 
 
 async def _one(
@@ -298,15 +302,20 @@ async def send_all(
     on_done: Callable[[], None] = lambda: None,
     timeout_s: float = 600.0,
     times: list[tuple[float, float]] | None = None,
+    start: list[float] | None = None,
 ) -> tuple[list[float], int, float]:
     """Send every request; ``concurrency`` None = at the scaled timestamps. -> (ttfts s, failed, wall s).
-    ``times``, when given, receives per request (sent at, first token at), s from the start (NaN: failed)."""
+    ``times``, when given, receives per request (sent at, first token at), s from the start (NaN: failed);
+    ``start`` receives the start itself on ``time.perf_counter``'s clock, so that other observations can be
+    put on the same clock."""
     url = engine_url.rstrip("/")
     ttfts: list[float | None] = [None] * len(reqs)
     sent = [math.nan] * len(reqs)
     limits = httpx.Limits(max_connections=max(concurrency or 64, 1) + 4)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         t0 = time.perf_counter()
+        if start is not None:
+            start[:] = [t0]
         if concurrency:
             sem = asyncio.Semaphore(concurrency)
 
@@ -412,9 +421,9 @@ def run_once(
     act0 = scrape_labelled(target.sidecar_url, "kvtier_actuations_total") if target.sidecar_url else {}
     g0 = _guard_counters(target.sidecar_url)
     times: list[tuple[float, float]] = []
-    ttfts, failed, wall = asyncio.run(
-        send_all(target.engine_url, target.model, reqs, concurrency=concurrency, on_done=on_done, times=times)
-    )
+    start: list[float] = []
+    ttfts, failed, wall = asyncio.run(send_all(target.engine_url, target.model, reqs, concurrency=concurrency,
+                                               on_done=on_done, times=times, start=start))  # fmt: skip
     eng1 = scrape_counters(target.engine_url)
     lmc1 = scrape_counters(target.lmcache_url) if target.lmcache_url else {}
     act1 = scrape_labelled(target.sidecar_url, "kvtier_actuations_total") if target.sidecar_url else {}
@@ -430,6 +439,7 @@ def run_once(
         guard={k: v - g0.get(k, 0.0) for k, v in g1.items()},
         sent_at_s=[a for a, _ in times],
         first_token_at_s=[b for _, b in times],
+        started_perf_s=start[0] if start else math.nan,
     )
 
 

@@ -40,6 +40,12 @@ class LayerBehaviour:
     - ``l1_watermark`` (fraction of capacity, None = evict on insert): L1 is trimmed by a loop every
       ``l1_eviction_interval_s`` seconds that, when ``len >= l1_watermark x capacity``, evicts
       ``int(len x l1_eviction_ratio)`` least recent blocks; a store whose blocks do not fit is dropped.
+    - ``l2_loads_stage_in_l1``: a look-up's L2 hits are loaded into L1 staging buffers reserved at look-up
+      time in one all-or-nothing allocation; when L1 has no room for all of them the found prefix ends at
+      the first (LMCache MP ``prefetch_controller._reserve_l1_cells`` -> ``L1Manager.reserve_write``; failed
+      reservations drop their L2 locks and the load is re-planned on what was reserved; the look-up counts
+      only what was loaded). With the watermark loop L1 is full between two runs of the loop, so at a
+      fast pace L2 hits are lost.
     """
 
     touch_whole_prompt: bool = False
@@ -48,6 +54,7 @@ class LayerBehaviour:
     l1_watermark: float | None = None
     l1_eviction_ratio: float = 0.2
     l1_eviction_interval_s: float = 1.0
+    l2_loads_stage_in_l1: bool = False
 
 
 class ResidencyObserver(Protocol):
@@ -112,10 +119,13 @@ class CacheLayer:
         disk_admission: str = "all",
         observer: ResidencyObserver | None = None,
         behaviour: LayerBehaviour | None = None,
+        l1_loop_first_s: float | None = None,
     ) -> None:
         self.block_bytes = block_bytes
         self.bh = behaviour or LayerBehaviour()
-        self._next_trim = self.bh.l1_eviction_interval_s  # s, the L1 watermark loop's next run
+        # s, the L1 watermark loop's next run: one interval in by default; the real loop's phase against a
+        # workload is set by when the layer started, which the caller may know or sample
+        self._next_trim = self.bh.l1_eviction_interval_s if l1_loop_first_s is None else l1_loop_first_s
         self.hw = list(tiers if offload else tiers[:1])
         self.t: dict[Tier, _Tier] = {h.tier: _Tier(h) for h in self.hw}
         self.order = [h.tier for h in self.hw]
@@ -137,6 +147,7 @@ class CacheLayer:
         self.lookup_tokens = 0
         self.evictions: Counter[str] = Counter()
         self.store_failures = 0  # blocks a full L1 refused (watermark model)
+        self.l2_staging_failures = 0  # L2 hits lost: no L1 room to stage them (l2_loads_stage_in_l1)
         self.now = 0.0
 
     # -- residency -------------------------------------------------------------------------------------
@@ -220,19 +231,17 @@ class CacheLayer:
             self.observer.accessed(chain, now)
         for b in chain:
             self.freq[b] += 1
+        layer_found = self._layer_prefix(chain)
+        for k, lt in enumerate(layer_found):
+            self.layer_lookup_tokens[lt.value] += min(block_tokens, max(0, input_tokens - k * block_tokens))
         tiers: list[Tier | None] = []
-        for b in chain:
+        for k, b in enumerate(chain):
             t = self.where(b)
-            if t is None:
-                break
+            if t is None or (self.bh.l2_loads_stage_in_l1 and t is not Tier.GPU and k >= len(layer_found)):
+                break  # beyond HBM the engine gets only the layer's found prefix
             tiers.append(t)
         n = len(tiers)
         tiers.extend([None] * (len(chain) - n))
-        for k, b in enumerate(chain):
-            lt = next((t for t in self.lower if b in self.t[t].lru), None)
-            if lt is None:
-                break
-            self.layer_lookup_tokens[lt.value] += min(block_tokens, max(0, input_tokens - k * block_tokens))
         by_tier: Counter[Tier] = Counter(t for t in tiers if t is not None)
         ready = now
         gpu = self.t[Tier.GPU]
@@ -267,6 +276,25 @@ class CacheLayer:
             assert t is not None
             self.hit_tokens[t.value] += min(block_tokens, max(0, input_tokens - k * block_tokens))
         return Lookup(tiers, n if hit_tok else 0, end, by_tier)
+
+    def _layer_prefix(self, chain: Sequence[int]) -> list[Tier]:
+        """The layer's own look-up from the prompt's first block (HBM hits included): the first lower tier
+        holding each block of the found prefix. With ``l2_loads_stage_in_l1`` the blocks found only below L1
+        need L1 staging buffers, reserved in one all-or-nothing allocation (LMCache ``reserve_write``): when
+        L1 has fewer free slots than that, the prefix ends at the first of them."""
+        found: list[Tier] = []
+        for b in chain:
+            lt = next((t for t in self.lower if b in self.t[t].lru), None)
+            if lt is None:
+                break
+            found.append(lt)
+        if self.bh.l2_loads_stage_in_l1 and self.lower:
+            l1 = self.t[self.lower[0]]
+            below = [k for k, t in enumerate(found) if t is not l1.hw.tier]
+            if len(below) > l1.hw.capacity_blocks - len(l1.lru):
+                self.l2_staging_failures += len(below)
+                del found[below[0] :]
+        return found
 
     def store(self, chain: Sequence[int], hit_blocks: int) -> None:
         """The prompt's computed blocks land in HBM and, with offload, are written through below."""

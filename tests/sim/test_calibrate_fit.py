@@ -7,7 +7,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.calibrate_sim import compare, fit_probe, predict, sim_requests, theil_sen, with_rates
+from bench.calibrate_sim import (
+    compare,
+    fit_probe,
+    layer_at_times,
+    loop_schedule,
+    observe_loop_tick,
+    predict,
+    sim_requests,
+    theil_sen,
+    with_rates,
+)
 from bench.live_ab import load_workload
 from kvtier.policies.tiers import Tier
 from kvtier.replay.sim.scenario import load_scenario
@@ -74,3 +84,57 @@ def test_the_layer_replayed_at_measured_times_loses_l2_hits_at_a_fast_pace() -> 
     assert fast["recomputed"] > slow["recomputed"]
     assert slow["gpu"] == fast["gpu"]  # vLLM's own prefix cache does not depend on the clock
     assert sum(int(r.input_length) for r in reqs) == slow["gpu"] + slow["external"] + slow["recomputed"]
+
+
+def test_loop_schedule_from_two_ticks_and_bad_ticks_are_an_error() -> None:
+    first, period = loop_schedule([(-2.35, 10), (17.85, 30)])  # 20 ticks in 20.2 s
+    assert period == pytest.approx(1.01)
+    assert first == pytest.approx(-2.35 + 3 * 1.01)  # the first run at or after the workload's start
+    with pytest.raises(ValueError, match="advance"):
+        loop_schedule([(1.0, 5), (2.0, 5)])
+
+
+def test_observe_loop_tick_polls_a_real_metrics_endpoint_until_the_counter_moves() -> None:
+    """Against a real HTTP server whose loop counter moves on its 4th scrape; the clock is injected."""
+    import http.server
+    import itertools
+
+    from tests.peers.http_server import serving
+
+    gets: list[int] = []
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server API
+            gets.append(1)
+            n = 7 + (len(gets) >= 4)
+            body = f"lmcache_mp_l1_eviction_loop_ticks_total {n}\n".encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    ticks = itertools.count(0.0, 0.5)  # every clock read advances 0.5 s
+    with serving(H) as url:
+        at, count = observe_loop_tick(url, timeout_s=60, poll_s=0, clock=lambda: next(ticks))
+        assert count == 8 and len(gets) == 4
+        assert at == pytest.approx(3.0)  # the middle of the reads after scrapes 3 (2.5) and 4 (3.5)
+        with pytest.raises(LookupError, match="no nope_total"):
+            observe_loop_tick(url, counter="nope_total", clock=lambda: next(ticks))
+        with pytest.raises(TimeoutError):
+            observe_loop_tick(url, timeout_s=2, poll_s=0, clock=lambda: next(ticks))
+
+
+def test_layer_replay_follows_the_measured_loop_phase() -> None:
+    """The same requests at the same times: where LMCache's eviction loop runs decides which stores a full
+    L1 refuses -- the timed replay must take the measured phase, not assume one."""
+    sc = load_scenario("cpu-tiny")
+    reqs = sim_requests(load_workload("bundled", 200))
+    sent = [0.05 * i for i in range(len(reqs))]
+    first = [s + 0.04 for s in sent]
+    by_phase = {ph: layer_at_times(sc, reqs, sent, first, [(ph - 1.0, 3), (ph + 9.0, 13)])
+                for ph in (0.05, 0.35, 0.65, 0.95)}  # fmt: skip
+    assert len({f["l1_refused"] for f in by_phase.values()}) > 1
+    assert all(f["l1_refused"] > 0 for f in by_phase.values())  # 20 requests/s outrun a 1 s loop

@@ -166,3 +166,32 @@ def test_watermark_loop_trims_l1_periodically_and_a_full_l1_refuses_a_store() ->
     layer.now = 5.5  # idle periods: one trim (8 -> 7 is below the watermark), then nothing until now
     _serve(layer, [40])
     assert layer.evictions["cpu"] == 2 and layer.resident(Tier.CPU) == 8
+
+
+def test_l2_hits_need_l1_staging_room_all_or_nothing() -> None:
+    """LMCache reserves the L2 hits' L1 staging buffers in one allocation: with fewer free L1 slots than L2
+    hits the found prefix ends at the first L2 hit (and the engine gets no more than that beyond HBM)."""
+
+    def run(stage: bool) -> tuple[list[Tier | None], int]:
+        bh = LayerBehaviour(l1_watermark=0.8, l2_loads_stage_in_l1=stage, retain_l2_hits=False)
+        layer = CacheLayer(_tiers(gpu=1, cpu=10, disk=100), BB, behaviour=bh, l1_loop_first_s=100.0)
+        _serve(layer, [1, 2, 3])
+        for b in range(10, 17):
+            _serve(layer, [b])  # L1 full: 10 of 10 (the loop does not run before t = 100 s)
+        layer.evict(2, Tier.CPU)  # 2 and 3 now only in L2: two staging slots needed ...
+        layer.evict(3, Tier.CPU)
+        _serve(layer, [99])  # ... and one is free
+        return _serve(layer, [1, 2, 3, 4]), layer.l2_staging_failures
+
+    assert run(False) == ([Tier.CPU, Tier.DISK, Tier.DISK, None], 0)
+    assert run(True) == ([Tier.CPU, None, None, None], 2)
+
+
+def test_the_l1_loop_runs_at_the_given_phase() -> None:
+    bh = LayerBehaviour(l1_watermark=0.8, l1_eviction_ratio=0.5, l1_eviction_interval_s=1.0)
+    for first, trimmed in ((0.3, 4), (None, 0)):
+        layer = CacheLayer(_tiers(gpu=1, cpu=10, disk=100), BB, behaviour=bh, l1_loop_first_s=first)
+        _serve(layer, list(range(1, 10)))  # 9 of 10, above the watermark
+        layer.now = 0.5
+        _serve(layer, [50])
+        assert layer.evictions["cpu"] == trimmed  # int(9 x 0.5) when the loop ran at 0.3 s
