@@ -89,8 +89,13 @@ class ReconcileLoop:
         max_score_per_tick: int = 20_000,
         assume_admittable: bool = False,
         placement: PolicyPlacement | None = None,
+        plans: bool = True,
     ) -> None:
         self.index, self.policy, self.actuators = index, policy, list(actuators)
+        # False when another decider owns the layer (the lmcache-l1 keeper) and no planner actuator exists:
+        # tier moves no one can execute would only cost CPU beside the engine and misreport what the sidecar
+        # does, so the loop then observes and scores only (as in mode off) and KV events do not wake it
+        self.plans = plans
         self._pending_policy: PolicyDoc | None = None
         self.pins, self.tokens = pins or PinSet(), tokens or TokenStore()
         self.decisions, self.metrics, self.clock = decisions or DecisionLog(), metrics, clock
@@ -184,7 +189,7 @@ class ReconcileLoop:
 
     def wake(self) -> None:
         """Ask for an early tick (KV events call this; they never carry state into the loop)."""
-        if self._wake is not None:
+        if self._wake is not None and self.plans:
             self._wake.set()
 
     # -- one tick ----------------------------------------------------------------------------------------
@@ -250,7 +255,7 @@ class ReconcileLoop:
         """The stages in order, each phase timed; a :class:`StageFailed` ends the tick with its fallback."""
         st = self.stages
         self.pins.expire(ctx.now)
-        if ctx.policy.mode == "off":  # observe only: the policy keeps learning from the traffic
+        if ctx.policy.mode == "off" or not self.plans:  # observe only: the policy keeps learning
             st.overlay.observe_only(ctx)
             with self._phase("score"):
                 st.score.run(ctx)
@@ -316,6 +321,7 @@ class ReconcileLoop:
     def status(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
+            "plans": self.plans,
             "tick": self.tick_no,
             "last_tick": self.last.to_dict() if self.last else None,
             "actuators": [

@@ -95,6 +95,7 @@ def build_sidecar(
     plane = build_control_plane(
         ingestor.index, settings, registry=registry, actuators=acts, tracer=make_tracer(tracer_provider),
         clock=clock, engine_url=engine_url, engine_model=model, http=http, policy=doc,
+        plans=bool(acts) or keeper_spec is None,  # the keeper alone decides: the loop observes only
     )  # fmt: skip
     keeper = build_keeper(settings, keeper_spec, plane, registry) if keeper_spec is not None else None
     ingestor.sinks.append(ControlSink(plane, on_stored=keeper_hook(keeper) if keeper is not None else None))
@@ -143,6 +144,7 @@ def build_control_plane(
     engine_model: str,
     http: httpx.AsyncClient,
     policy: PolicyDoc,
+    plans: bool = True,
 ) -> ControlPlane:
     """Loop + state store + models + API context; restores the persisted policy, pins and model from the
     state dir, then ``settings.serve.mode`` (CLI) overrides the stored mode. The placement policy object
@@ -153,7 +155,7 @@ def build_control_plane(
     metrics = ControllerMetrics(registry, layers=[a.name for a in actuators])
     loop = build_loop(index, policy=policy, actuators=actuators, pins=PinSet(), tokens=TokenStore(),
                       decisions=DecisionLog(), metrics=metrics, tracer=tracer, clock=clock,
-                      model=engine_model)  # fmt: skip
+                      model=engine_model, plans=plans)  # fmt: skip
     models = ModelManager(loop, store)
     tokenizer = engine_tokenizer(engine_url, http) if engine_url else None
     ctx = ControlContext(

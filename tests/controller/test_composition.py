@@ -178,3 +178,20 @@ def test_building_does_no_http_and_discover_models_is_the_explicit_step(tmp_path
         assert discover_models(given) is given and len(_Models.hits) == 1  # nothing to discover: no request
     down = discover_models(built.settings(tmp_path / "e", engine_urls=["http://127.0.0.1:9"]))
     assert down.collectors.engine_model == ""  # unreachable: logged, the sidecar still starts
+
+
+def test_the_loop_plans_only_when_an_actuator_can_execute_a_plan(tmp_path: Path) -> None:
+    """The lmcache-l1 keeper alone decides L1 admission: the loop then observes only (its tier moves would
+    have no executor and cost CPU beside the engine); with a planner actuator, or with no keeper at all
+    (shadow what-if), it plans."""
+    down = ["http://127.0.0.1:9"]
+    lm = {"engine_urls": down, "lmcache_urls": down, "engine_model": "tiny"}
+    l1, mp = {"kind": "lmcache-l1"}, {"kind": "lmcache-mp"}
+    cases = {"keeper": ([l1], False), "both": ([mp, l1], True), "none": ([], True)}
+    for name, (acts, plans) in cases.items():
+        sc = built.sidecar(tmp_path / name, actuators=acts, **lm)
+        try:
+            assert sc.plane.loop.plans is plans, name
+            assert (sc.l1_keeper is not None) is any(a["kind"] == "lmcache-l1" for a in acts)
+        finally:
+            sc.plane.store.close()

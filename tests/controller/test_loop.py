@@ -132,6 +132,26 @@ def test_shadow_mode_records_without_acting_and_off_does_nothing() -> None:
     assert loop2.tick().decisions == 0 and act2.calls == []
 
 
+def test_a_loop_that_does_not_plan_observes_only_and_ignores_wakes() -> None:
+    """``plans=False`` (another decider owns the layer): in shadow and active alike the tick scores but
+    records no decision and calls no actuator, and KV-event wakes do not shorten its interval."""
+    import asyncio
+
+    for mode in ("shadow", "active"):
+        loop, idx, act, _, _, clock = make(mode=mode)  # type: ignore[arg-type]
+        loop.plans = False
+        fill_gpu(idx, clock)
+        rep = loop.tick()
+        assert rep.outcome == "ok" and rep.decisions == 0 and act.calls == []
+        assert loop.decisions.query() == [] and loop.status()["plans"] is False
+    loop._wake = woken = asyncio.Event()  # noqa: SLF001 -- the event ``run`` waits on between ticks
+    loop.wake()
+    assert not woken.is_set()
+    loop.plans = True
+    loop.wake()
+    assert woken.is_set()
+
+
 def test_predictor_failure_falls_back_to_heuristic_and_counts() -> None:
     loop, idx, act, reg, _, clock = make()
     fill_gpu(idx, clock)
