@@ -185,7 +185,7 @@ def test_the_loop_plans_only_when_an_actuator_can_execute_a_plan(tmp_path: Path)
     have no executor and cost CPU beside the engine); with a planner actuator, or with no keeper at all
     (shadow what-if), it plans."""
     down = ["http://127.0.0.1:9"]
-    lm = {"engine_urls": down, "lmcache_urls": down, "engine_model": "tiny"}
+    lm: dict[str, Any] = {"engine_urls": down, "lmcache_urls": down, "engine_model": "tiny"}
     l1, mp = {"kind": "lmcache-l1"}, {"kind": "lmcache-mp"}
     cases = {"keeper": ([l1], False), "both": ([mp, l1], True), "none": ([], True)}
     for name, (acts, plans) in cases.items():

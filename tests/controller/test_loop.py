@@ -138,7 +138,7 @@ def test_a_loop_that_does_not_plan_observes_only_and_ignores_wakes() -> None:
     import asyncio
 
     for mode in ("shadow", "active"):
-        loop, idx, act, _, _, clock = make(mode=mode)  # type: ignore[arg-type]
+        loop, idx, act, _, _, clock = make(mode=mode)
         loop.plans = False
         fill_gpu(idx, clock)
         rep = loop.tick()
