@@ -20,8 +20,9 @@ LRU + fs L2, vLLM CPU with a 96-block prefix cache and LMCacheMPConnector, no si
    (:func:`kvtier.replay.live_bench.build_requests`: each hash id a fixed 64-token chunk, at most 15 chunks,
    2 output tokens), sent one at a time; hit tokens from vLLM's and LMCache's own counters, client TTFT.
 3. **Prediction**: hit tokens per tier from the layer model of ``scenarios/cpu-tiny.yaml`` replayed at the
-   run's own send / first-token times, with LMCache's L1 eviction loop at the phase and period observed
-   around the workload (:func:`layer_at_times`); TTFT from the same requests through the simulator's
+   run's own times, taken from LMCache's log (each request's retrieve / store, the eviction loop's runs
+   that evicted: :func:`lmcache_log_events`, :func:`request_times`; the client's send / first-token times
+   and the loop's observed period where the log is silent) (:func:`layer_at_times`); TTFT from the same requests through the simulator's
    ``default`` arm (:func:`kvtier.controller.demo.run_baseline`), its compute and link figures replaced by
    the probe's (``--rates scenario`` keeps the file's, measured once when it was written).
 
@@ -39,12 +40,14 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -231,29 +234,38 @@ def predict(sc: Any, reqs: list[Request]) -> dict[str, Any]:
 def layer_at_times(
     sc: Any,
     reqs: Sequence[Request],
-    sent_at_s: Sequence[float],
-    first_token_at_s: Sequence[float],
+    lookup_at_s: Sequence[float],
+    store_at_s: Sequence[float],
     loop_ticks: Sequence[Sequence[float]] | None = None,
+    loop_triggered_s: Sequence[float] = (),
 ) -> dict[str, float]:
-    """The layer model alone, driven at the live run's own times: each request looks up when it was sent
-    and stores its computed blocks when its first token came (prefill done); a failed request (NaN) keeps
-    the previous time. No serving model: its speed would move the layer's clock away from the real one.
+    """The layer model alone, driven at the live run's own times: each request looks up at ``lookup_at_s``
+    and stores its computed blocks at ``store_at_s`` (:func:`request_times`: LMCache's logged transfers, or
+    the send and first-token times); a failed request (NaN) keeps the previous time. No serving model: its
+    speed would move the layer's clock away from the real one.
     ``loop_ticks`` (two ``(s from the run's start, tick count)`` observations of LMCache's L1 eviction loop,
     :func:`observe_loop_tick`) put the model's loop at the real loop's phase and period: which stores meet a
-    full L1 depends on it (docs/perf/calibration.md). -> the hit figures of :func:`predict` (tokens) and
-    the chunks the model's L1 refused (``l1_refused``) or could not stage L2 hits in (``l2_unstaged``)."""
+    full L1 depends on it (docs/perf/calibration.md). ``loop_triggered_s`` (the runs LMCache logged as
+    evicting, :func:`triggered_loop_times`) pin the phase to the millisecond instead: a scrape of a loaded
+    server is tens of ms late, and one L1 trim (a fifth of L1) moved by 0.1 s moves a dozen chunks between
+    L1 and L2 in a few-second run. The model still decides at each run whether it evicts. -> the hit
+    figures of :func:`predict` (tokens) and the chunks the model's L1 refused (``l1_refused``) or could not
+    stage L2 hits in (``l2_unstaged``)."""
     from kvtier.replay.sim.layer import CacheLayer
     from kvtier.replay.sim.serving import engine_hit_tokens
 
-    first_run, bh = None, sc.layer
+    first_run, bh, times = None, sc.layer, list[float]()
     if loop_ticks is not None:
         first_run, period = loop_schedule(loop_ticks)
+        if loop_triggered_s:
+            period = loop_period(loop_triggered_s, period)
+            times = loop_times(loop_triggered_s, period)
         bh = replace(sc.layer, l1_eviction_interval_s=period)
     layer = CacheLayer(sc.tiers, sc.block_bytes, offload=True, disk_admission=sc.disk_admission,
-                       behaviour=bh, l1_loop_first_s=first_run)  # fmt: skip
+                       behaviour=bh, l1_loop_first_s=first_run, l1_loop_times_s=times)  # fmt: skip
     served = 0
     t = 0.0
-    for r, s_at, f_at in zip(reqs, sent_at_s, first_token_at_s, strict=True):
+    for r, s_at, f_at in zip(reqs, lookup_at_s, store_at_s, strict=True):
         t = s_at if s_at == s_at else t
         layer.now = max(layer.now, t)
         chain = r.hash_ids.tolist()
@@ -276,6 +288,90 @@ def loop_schedule(ticks: Sequence[Sequence[float]]) -> tuple[float, float]:
         raise ValueError(f"loop ticks must advance: {ticks!r}")
     period = (tb - ta) / (cb - ca)
     return ta + math.ceil(-ta / period) * period if ta < 0 else ta, period
+
+
+# LMCache's INFO lines (asctime: local time to the ms): a loop run that evicted (eviction_controller.py), and
+# a finished store / retrieve with its duration (engine_driven_transfer.py)
+_STAMP = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\] LMCache INFO:.*?"
+_TRIGGERED = re.compile(_STAMP + r"triggering eviction")
+_TRANSFER = re.compile(_STAMP + r"(Stored|Retrieved) (\d+) tokens in ([\d.]+) seconds")
+
+
+def lmcache_log_events(log: Path, wall_at_zero_s: float) -> dict[str, list[list[float]]]:
+    """LMCache's own record of what it did, from its log -> s after ``wall_at_zero_s`` (``time.time()``
+    at the run's start; negative before it): ``triggered`` (``[t]``: eviction-loop runs that evicted),
+    ``stored`` / ``retrieved`` (``[start, end]`` of each store / retrieve). The asctime is taken as the
+    server acts: far closer than a scrape of its counters or the client's first token on a loaded host
+    (there a store ends up to ~1 s before the client sees the first token)."""
+    out: dict[str, list[list[float]]] = {"triggered": [], "stored": [], "retrieved": []}
+    with open(log, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            m = _TRIGGERED.search(line) or _TRANSFER.search(line)
+            if not m:
+                continue
+            t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - wall_at_zero_s
+            if m.re is _TRIGGERED:
+                out["triggered"].append([t])
+            else:
+                out[m.group(2).lower()].append([t - float(m.group(4)), t])
+    return out
+
+
+def triggered_loop_times(log: Path, wall_at_zero_s: float) -> list[float]:
+    """The L1 eviction loop's runs that evicted (s after ``wall_at_zero_s``), see
+    :func:`lmcache_log_events`."""
+    return [t for (t,) in lmcache_log_events(log, wall_at_zero_s)["triggered"]]
+
+
+def request_times(
+    sent_at_s: Sequence[float], first_token_at_s: Sequence[float], events: dict[str, list[list[float]]]
+) -> tuple[list[float], list[float], int]:
+    """When the layer looked each request up and stored its blocks (s from the run's start), for requests
+    sent one at a time: LMCache's logged transfers are assigned to the request whose send precedes them.
+    Look-up: the start of its retrieve (a hit), else the start of its store (nothing found: the look-up
+    came just before the prefill), else its send. Store: the start of its store (the L1 allocation that a
+    full L1 refuses), else its first token. -> (look-ups, stores, requests placed by the log)."""
+    import bisect
+
+    n = len(sent_at_s)
+    firsts: dict[str, list[float | None]] = {"stored": [None] * n, "retrieved": [None] * n}
+    owners = [i for i, s in enumerate(sent_at_s) if s == s]  # a failed request (NaN) owns nothing
+    at = [sent_at_s[i] for i in owners]
+    for kind, slot in firsts.items():
+        for start, _end in events.get(kind, []):
+            k = bisect.bisect_right(at, start) - 1
+            if k >= 0 and slot[owners[k]] is None:
+                slot[owners[k]] = start
+    look, store, placed = [], [], 0
+    for i in range(n):
+        st, rt = firsts["stored"][i], firsts["retrieved"][i]
+        placed += st is not None or rt is not None
+        look.append(rt if rt is not None else st if st is not None else sent_at_s[i])
+        store.append(st if st is not None else first_token_at_s[i])
+    return look, store, placed
+
+
+def loop_period(triggered_s: Sequence[float], fallback_s: float) -> float:
+    """The loop's period (s): the median gap between consecutive logged runs one period apart (within
+    half a period of ``fallback_s``, the tick counter's estimate); ``fallback_s`` without such gaps."""
+    gaps = [b - a for a, b in zip(triggered_s, triggered_s[1:], strict=False)
+            if 0.5 * fallback_s < b - a < 1.5 * fallback_s]  # fmt: skip
+    return float(np.median(gaps)) if gaps else fallback_s
+
+
+def loop_times(triggered_s: Sequence[float], period_s: float) -> list[float]:
+    """The loop's runs from the first logged one to the last: the logged runs, and between two of them
+    the runs that found L1 below its watermark (logged only at DEBUG) spread evenly at about the period.
+    Before the first and after the last the model's loop keeps ``period_s``; runs before 0 are dropped."""
+    ts = sorted(triggered_s)
+    if not ts:
+        return []
+    out = [ts[0]]
+    for a, b in zip(ts, ts[1:], strict=False):
+        n = max(1, round((b - a) / period_s))
+        out += [a + (b - a) * k / n for k in range(1, n + 1)]
+    head = [ts[0] - k * period_s for k in range(math.ceil(ts[0] / period_s), 0, -1)] if ts[0] > 0 else []
+    return [t for t in head + out if t >= 0.0]
 
 
 def observe_loop_tick(
@@ -328,9 +424,11 @@ def measure(n: int, *, probe_reps: int = 6, root: Path | None = None) -> dict[st
         load1 = os.getloadavg()
         assert target.lmcache_url is not None
         tick0 = observe_loop_tick(target.lmcache_url)
+        wall_minus_perf = time.time() - time.perf_counter()
         r = run_once("baseline", target, breqs, concurrency=1)
         tick1 = observe_loop_tick(target.lmcache_url)
         load2 = os.getloadavg()
+        events = lmcache_log_events(stack.lmc.log, r.started_perf_s + wall_minus_perf)
     finally:
         stack.down("", -1)
         if owns:
@@ -350,6 +448,10 @@ def measure(n: int, *, probe_reps: int = 6, root: Path | None = None) -> dict[st
         "measured_first_token_at_s": r.first_token_at_s,
         # LMCache's L1 eviction loop, observed before and after the workload: (s from its start, tick count)
         "l1_loop_ticks": [[tick0[0] - r.started_perf_s, tick0[1]], [tick1[0] - r.started_perf_s, tick1[1]]],
+        "started_wall_s": r.started_perf_s + wall_minus_perf,  # the run's start on time.time's clock
+        # its runs that evicted, from LMCache's log (s from the run's start; the probe's are negative)
+        "l1_loop_triggered_s": [t for (t,) in events["triggered"]],
+        "lmcache_transfers_s": {k: events[k] for k in ("stored", "retrieved")},  # [start, end] each
         "probe": pr,
         "loadavg": {"start": load0, "after_probe": load1, "after_workload": load2},
         "cpu_count": os.cpu_count(),
@@ -371,9 +473,11 @@ def run(n: int, *, rates: str = "measured", probe_reps: int = 6, scenario: str =
     # the layer's hits depend on the request pace against LMCache's 1 s eviction loop (a store that meets a
     # full L1 is refused, from L2 too): the layer model replayed at the live run's own times gives the hits;
     # the serving model still predicts TTFT. Without recorded times: hits at the simulated pace.
-    timed = None
+    timed, placed = None, 0
     if sent and first and len(sent) == len(first) == len(reqs):
-        timed = {"figures": {**layer_at_times(sc, reqs, sent, first, live.get("l1_loop_ticks")),
+        look, store, placed = request_times(sent, first, live.get("lmcache_transfers_s") or {})
+        timed = {"figures": {**layer_at_times(sc, reqs, look, store, live.get("l1_loop_ticks"),
+                                              live.get("l1_loop_triggered_s") or ()),
                              "ttft_p50_s": math.nan, "ttft_p90_s": math.nan}}  # fmt: skip
     comparison = compare(pred["figures"], live["measured"])
     if timed is not None:
@@ -385,11 +489,8 @@ def run(n: int, *, rates: str = "measured", probe_reps: int = 6, scenario: str =
         "scenario": scenario,
         "probe_fit": fit,
         "comparison": comparison,
-        "hit_timing": (
-            "simulated pace"
-            if timed is None
-            else "measured send times" + (" and eviction-loop phase" if live.get("l1_loop_ticks") else "")
-        ),  # fmt: skip
+        "hit_timing": hit_timing(live, timed is not None, placed),
+        "requests_placed_by_lmcache_log": placed,
         "predicted": pred["figures"],
         "predicted_at_measured_times": timed["figures"] if timed is not None else None,
         "sim_report": pred["report"],
@@ -402,6 +503,16 @@ def run(n: int, *, rates: str = "measured", probe_reps: int = 6, scenario: str =
             },  # fmt: skip
         },
     }
+
+
+def hit_timing(live: dict[str, Any], timed: bool, placed: int) -> str:
+    """Which clocks drove the layer model's hit figures (printed, and asserted by the live test)."""
+    if not timed:
+        return "simulated pace"
+    when = "LMCache's logged look-ups and stores" if placed else "measured send times"
+    loop = (" and eviction-loop log" if live.get("l1_loop_triggered_s")
+            else " and eviction-loop phase" if live.get("l1_loop_ticks") else "")  # fmt: skip
+    return when + loop
 
 
 def render(out: dict[str, Any]) -> str:

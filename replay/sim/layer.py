@@ -19,7 +19,7 @@ Times are simulated seconds (``now``) from the serving model's clock.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -120,12 +120,16 @@ class CacheLayer:
         observer: ResidencyObserver | None = None,
         behaviour: LayerBehaviour | None = None,
         l1_loop_first_s: float | None = None,
+        l1_loop_times_s: Sequence[float] = (),
     ) -> None:
         self.block_bytes = block_bytes
         self.bh = behaviour or LayerBehaviour()
         # s, the L1 watermark loop's next run: one interval in by default; the real loop's phase against a
-        # workload is set by when the layer started, which the caller may know or sample
-        self._next_trim = self.bh.l1_eviction_interval_s if l1_loop_first_s is None else l1_loop_first_s
+        # workload is set by when the layer started, which the caller may know or sample. An observed
+        # schedule (``l1_loop_times_s``, ascending) is followed first; after it the loop keeps its interval.
+        self._loop_times = deque(sorted(t for t in l1_loop_times_s if t >= 0.0))
+        first = self.bh.l1_eviction_interval_s if l1_loop_first_s is None else l1_loop_first_s
+        self._next_trim = self._loop_times.popleft() if self._loop_times else first
         self.hw = list(tiers if offload else tiers[:1])
         self.t: dict[Tier, _Tier] = {h.tier: _Tier(h) for h in self.hw}
         self.order = [h.tier for h in self.hw]
@@ -187,14 +191,20 @@ class CacheLayer:
         iv = self.bh.l1_eviction_interval_s
         while self._next_trim <= self.now:
             if len(st.lru) < self.bh.l1_watermark * st.hw.capacity_blocks:  # nothing changes until now
-                self._next_trim += ((self.now - self._next_trim) // iv + 1) * iv
+                while self._loop_times and self._next_trim <= self.now:
+                    self._advance_trim(iv)
+                if self._next_trim <= self.now:
+                    self._next_trim += ((self.now - self._next_trim) // iv + 1) * iv
                 break
-            self._next_trim += iv
+            self._advance_trim(iv)
             for _ in range(int(len(st.lru) * self.bh.l1_eviction_ratio)):
                 old, _ = st.lru.popitem(last=False)
                 self.evictions[st.hw.tier.value] += 1
                 if self.observer is not None:
                     self.observer.removed(old, st.hw.tier)
+
+    def _advance_trim(self, iv: float) -> None:
+        self._next_trim = self._loop_times.popleft() if self._loop_times else self._next_trim + iv
 
     def _recent(self, tier: Tier, chain: Sequence[int]) -> None:
         """Make the chain's blocks held in ``tier`` the most recent, its head last (tail first out)."""

@@ -1,10 +1,12 @@
 """The simulator's LMCache model against the real stack (vLLM CPU + LMCache MP, one fresh stack, no sidecar).
 
 Runs :func:`bench.calibrate_sim.measure` and :func:`~bench.calibrate_sim.run` -- the same code as ``python -m
-bench.calibrate_sim`` -- on a 180-request slice of the bundled trace. Hit tokens per tier depend on the
-request pace against LMCache's 1 s eviction loop; the timed replay takes the run's own send times and the
-loop's measured phase, so they must agree within 10 % whatever the machine's load. TTFT on 2 shared cores
-is a fixed cost plus contention noise, so it is only bounded here (the benchmark prints the ratio).
+bench.calibrate_sim`` -- on a 180-request slice of the bundled trace. Hit tokens per tier depend on when each
+look-up and store meets LMCache's 1 s eviction loop; the timed replay takes those moments from LMCache's own
+log (to the ms: on a loaded host a store ends up to ~1 s before the client sees the first token, and one L1
+trim moved by 0.1 s moves a dozen chunks between L1 and L2), so they must agree within 10 % whatever the
+load. TTFT on 2 shared cores is a fixed cost plus contention noise, so it is only bounded here (the
+benchmark prints the ratio).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ def test_hit_tokens_per_tier_match_the_real_stack_within_ten_percent(tmp_path: P
     live = measure(180, probe_reps=2, root=tmp_path)
     out = run(180, live=live)
     print(render(out))
-    assert out["hit_timing"] == "measured send times and eviction-loop phase"
+    assert out["hit_timing"] == "LMCache's logged look-ups and stores and eviction-loop log"
+    assert live["l1_loop_triggered_s"], "LMCache logged no eviction-loop run: L1 never filled"
+    assert out["requests_placed_by_lmcache_log"] >= 0.9 * len(live["measured_sent_at_s"])
     rows = {r["figure"]: r for r in out["comparison"]}
     for figure in ("GPU prefix cache (vLLM)", "LMCache L1 (lookup hits)", "LMCache L2 (lookup hits)",
                    "loaded from LMCache (vLLM external)", "recomputed"):  # fmt: skip

@@ -4,6 +4,8 @@ prediction through the simulator's public entry point (no live stack: the live c
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -11,11 +13,16 @@ from bench.calibrate_sim import (
     compare,
     fit_probe,
     layer_at_times,
+    lmcache_log_events,
+    loop_period,
     loop_schedule,
+    loop_times,
     observe_loop_tick,
     predict,
+    request_times,
     sim_requests,
     theil_sen,
+    triggered_loop_times,
     with_rates,
 )
 from bench.live_ab import load_workload
@@ -138,3 +145,65 @@ def test_layer_replay_follows_the_measured_loop_phase() -> None:
                 for ph in (0.05, 0.35, 0.65, 0.95)}  # fmt: skip
     assert len({f["l1_refused"] for f in by_phase.values()}) > 1
     assert all(f["l1_refused"] > 0 for f in by_phase.values())  # 20 requests/s outrun a 1 s loop
+
+
+def test_triggered_loop_runs_are_read_from_lmcaches_own_log(tmp_path: Path) -> None:
+    """LMCache's log format (colour codes included); other lines, a below-watermark DEBUG line and a
+    truncated line are ignored. Times are local wall time to the ms, relative to the given origin."""
+    from datetime import datetime
+
+    log = tmp_path / "mp_server.log"
+    log.write_text(
+        "\x1b[32;20m[2026-12-05 12:27:14,590] LMCache INFO:\x1b[0m L1 memory usage 0.99 above watermark 0.80;"
+        " triggering eviction. \x1b[3m(eviction_controller.py:179:lmcache...)\x1b[0m\n"
+        "[2026-12-05 12:27:15,592] LMCache DEBUG: L1 memory usage 0.50 below watermark 0.80; skipping"
+        " eviction.\n"
+        "[2026-12-05 12:27:15,600] LMCache INFO: Stored 8 keys\n"
+        "\x1b[32;20m[2026-12-05 12:27:15,650] LMCache INFO:\x1b[0m Stored 512 tokens in 0.020 seconds"
+        " (engine_driven_transfer.py:301:lmcache.v1.multiprocess.modules.engine_driven_transfer)\n"
+        "[2026-12-05 12:27:15,900] LMCache INFO: Retrieved 128 tokens in 0.0005 seconds (engine_driven_tr)\n"
+        "\x1b[32;20m[2026-12-05 12:27:16,593] LMCache INFO:\x1b[0m L1 memory usage 1.00 above watermark 0.80;"
+        " triggering eviction.\n"
+        "[2026-12-05 12:27:17,5",
+        encoding="utf-8",
+    )
+    zero = datetime(2026, 12, 5, 12, 27, 15).timestamp()
+    assert triggered_loop_times(log, zero) == pytest.approx([-0.41, 1.593], abs=1e-6)
+    ev = lmcache_log_events(log, zero)
+    assert ev["stored"] == [pytest.approx([0.63, 0.65], abs=1e-6)]  # [start, end]: end - its duration
+    assert ev["retrieved"] == [pytest.approx([0.8995, 0.9], abs=1e-6)]
+
+
+def test_request_times_come_from_lmcaches_transfers_else_from_the_client() -> None:
+    """Requests sent one at a time own the transfers logged after their send: a hit's look-up is its
+    retrieve's start, a miss's look-up its store's start (it came just before the prefill), the store is
+    the store's start; without a logged transfer (nothing new, nothing found) the client's times stay. A
+    failed request (NaN send) owns nothing; a transfer before the first send belongs to no request."""
+    nan = float("nan")
+    sent = [0.0, 1.0, nan, 2.0, 3.0]
+    first = [0.5, 1.9, nan, 2.6, 3.4]
+    events = {
+        "stored": [[-0.5, -0.4], [0.2, 0.21], [1.3, 1.32], [2.35, 2.36], [2.4, 2.45]],  # 2.4: a second store
+        "retrieved": [[1.1, 1.2], [3.05, 3.1]],
+    }
+    look, store, placed = request_times(sent, first, events)
+    assert look[:2] + look[3:] == [0.2, 1.1, 2.35, 3.05] and look[2] != look[2]
+    assert store[:2] == [0.2, 1.3] and store[3:] == [2.35, 3.4] and store[2] != store[2]
+    assert placed == 4
+
+
+def test_loop_runs_between_logged_ones_are_spread_at_the_period() -> None:
+    """Only runs that evicted are logged (INFO); the ones between found L1 below its watermark. A gap of
+    about k periods holds k - 1 unlogged runs, evenly spread; before the first logged run the loop goes
+    back at the period to 0; the period is the median one-period gap: a stalled run (1.3 s) does not
+    move it."""
+    logged = [-0.4, 2.61, 3.62, 4.92, 5.93, 8.96]
+    period = loop_period(logged, 1.05)
+    assert period == pytest.approx(1.01)
+    times = loop_times(logged, period)
+    assert times == pytest.approx(
+        [-0.4 + 3.01 / 3, -0.4 + 2 * 3.01 / 3, 2.61, 3.62, 4.92, 5.93, 6.94, 7.95, 8.96]
+    )
+    assert loop_times([2.5], 1.0) == pytest.approx([0.5, 1.5, 2.5])
+    assert loop_times([], 1.0) == []
+    assert loop_period([3.0], 1.02) == 1.02  # no gap to measure: the tick counter's estimate

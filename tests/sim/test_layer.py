@@ -195,3 +195,27 @@ def test_the_l1_loop_runs_at_the_given_phase() -> None:
         layer.now = 0.5
         _serve(layer, [50])
         assert layer.evictions["cpu"] == trimmed  # int(9 x 0.5) when the loop ran at 0.3 s
+
+
+def test_the_l1_loop_follows_an_observed_schedule_then_keeps_its_interval() -> None:
+    """Observed run times (LMCache's log) replace the periodic phase: a late run (1.7 s, not 1.0 s) trims
+    after a store at 1.5 s, not before it; after the schedule the loop goes on at its interval."""
+    bh = LayerBehaviour(l1_watermark=0.8, l1_eviction_ratio=0.5, l1_eviction_interval_s=1.0)
+    layer = CacheLayer(_tiers(gpu=1, cpu=10, disk=100), BB, behaviour=bh, l1_loop_first_s=1.0,
+                       l1_loop_times_s=[-0.3, 0.7, 1.7])  # fmt: skip
+    _serve(layer, list(range(1, 10)))  # 9 of 10 at t = 0
+    layer.now = 0.8
+    _serve(layer, [50])  # the run at 0.7 s trimmed int(9 x 0.5) = 4 first: 5 + 1
+    assert layer.evictions["cpu"] == 4 and layer.resident(Tier.CPU) == 6
+    _serve(layer, [51, 52])  # 8: at the watermark
+    layer.now = 1.5
+    _serve(layer, [53, 54])  # the periodic phase would have trimmed at 1.0 s; the observed run is at 1.7 s
+    assert layer.evictions["cpu"] == 4 and layer.resident(Tier.CPU) == 10
+    layer.now = 2.0
+    _serve(layer, [60])  # the run at 1.7 s: int(10 x 0.5) = 5 go, then the store
+    assert layer.evictions["cpu"] == 9 and layer.resident(Tier.CPU) == 6
+    for b in range(70, 74):
+        _serve(layer, [b])  # 10 of 10
+    layer.now = 2.75  # the schedule is spent: the next run is one interval on, at 2.7 s
+    _serve(layer, [80])
+    assert layer.evictions["cpu"] == 14
