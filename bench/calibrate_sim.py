@@ -22,9 +22,10 @@ LRU + fs L2, vLLM CPU with a 96-block prefix cache and LMCacheMPConnector, no si
 3. **Prediction**: hit tokens per tier from the layer model of ``scenarios/cpu-tiny.yaml`` replayed at the
    run's own times, taken from LMCache's log (each request's retrieve / store, the eviction loop's runs
    that evicted: :func:`lmcache_log_events`, :func:`request_times`; the client's send / first-token times
-   and the loop's observed period where the log is silent) (:func:`layer_at_times`); TTFT from the same requests through the simulator's
-   ``default`` arm (:func:`kvtier.controller.demo.run_baseline`), its compute and link figures replaced by
-   the probe's (``--rates scenario`` keeps the file's, measured once when it was written).
+   and the loop's observed period where the log is silent; :func:`layer_at_times`); TTFT from the same
+   requests through the simulator's ``default`` arm (:func:`kvtier.controller.demo.run_baseline`), its
+   compute and link figures replaced by the probe's (``--rates scenario`` keeps the file's, measured once
+   when it was written).
 
 Printed and written (``--json``): per tier, predicted vs measured hit tokens and their ratio; TTFT p50/p90;
 the probe's fits; the load average. Targets (issue 15): hit tokens within 10 %, TTFT p50 within 25 %.
