@@ -20,6 +20,14 @@ Work happens on one worker thread (never inside the reconcile tick). Outcomes go
 ``kvtier_actuations_total{layer="lmcache-mp", action="l1_admission"}``; the guard exports
 ``kvtier_guard_trips_total``, ``kvtier_guard_resumes_total``, ``kvtier_guard_windows_total{verdict}`` and
 ``kvtier_guard_acting`` (1 = acting, 0 = held in shadow).
+
+With ``engine_ttft`` (vLLM's cumulative TTFT histogram ``_sum`` / ``_count``, read once per measurement
+period) a second guard judges the cost the operator sees: :class:`~kvtier.policies.latency_guard.LatencyGuard`
+runs a switchback experiment (blocks of periods acting, then periods held in shadow as a control) and holds
+the keeper in shadow while acting costs TTFT beyond its margin (95 % interval); it exports
+``kvtier_guard_latency_acting`` (1 = this period acts), ``kvtier_guard_latency_trips_total``,
+``kvtier_guard_latency_resumes_total`` and ``kvtier_guard_latency_periods_total{why}``. The keeper acts
+only when both guards let it.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -39,6 +48,7 @@ from kvtier.controller.actuators.base import BlockRef, Outcome
 from kvtier.controller.actuators.lmcache_keys import ObjectKey, object_keys
 from kvtier.controller.actuators.lmcache_mp import LMCacheMPActuator
 from kvtier.policies.l1_admission import AdmissionCore
+from kvtier.policies.latency_guard import LatencyGuard
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +71,18 @@ class GuardMetrics:
         self.periods = Counter("kvtier_guard_measured_periods",
                                "Periods judged on the layer's own L1-hit counter, by verdict.", ["verdict"],
                                registry=registry)  # fmt: skip
+        self.lat_acting = Gauge("kvtier_guard_latency_acting",
+                                "1 while the latency guard's current period acts, 0 while it holds.",
+                                registry=registry)  # fmt: skip
+        self.lat_trips = Counter("kvtier_guard_latency_trips",
+                                 "Latency guard held the sidecar in shadow (acting cost TTFT).",
+                                 registry=registry)  # fmt: skip
+        self.lat_resumes = Counter("kvtier_guard_latency_resumes",
+                                   "Latency guard let the sidecar act again (acting stopped costing TTFT).",
+                                   registry=registry)  # fmt: skip
+        self.lat_periods = Counter("kvtier_guard_latency_periods",
+                                   "Latency guard periods closed, by how they counted.", ["why"],
+                                   registry=registry)  # fmt: skip
         self.k = Gauge("kvtier_guard_calibration_ratio",
                        "Real L1 hits per simulated default L1 hit, from periods the layer ran its default.",
                        registry=registry)  # fmt: skip
@@ -84,6 +106,7 @@ class L1Keeper:
         max_batch: int = 256,
         status_every_s: float = 2.0,
         measure_every_s: float = 10.0,
+        engine_ttft: Callable[[], tuple[float, float] | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.act = actuator
@@ -94,6 +117,9 @@ class L1Keeper:
         self._core_lock = threading.Lock()  # observe (ingest thread) vs measure (worker)
         self.metrics = GuardMetrics(registry)
         self.metrics.acting.set(1)
+        self.engine_ttft = engine_ttft
+        self.latency = LatencyGuard() if engine_ttft is not None else None
+        self.metrics.lat_acting.set(1)
         self.delay_s = delay_s
         self.verify_deadline_s = verify_deadline_s
         self.max_batch = max_batch  # due items handled per worker step (one DELETE for their drops)
@@ -124,6 +150,7 @@ class L1Keeper:
                 "readmitted",
                 "readmit_failed",
                 "measure_failed",
+                "held_by_latency_guard",
             ),
             0,
         )
@@ -164,6 +191,9 @@ class L1Keeper:
             return
         if not self.is_active():
             self.counts["would_drop"] += len(todo)
+            return
+        if not self._latency_acts():
+            self.counts["held_by_latency_guard"] += len(todo)
             return
         now = self.clock()
         with self._cv:
@@ -208,6 +238,8 @@ class L1Keeper:
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if isinstance(self.engine_ttft, EngineTtftReader):
+            self.engine_ttft.close()
 
     def _run(self) -> None:
         while True:
@@ -223,11 +255,15 @@ class L1Keeper:
                         self._due[0][0] - now if self._due else self.status_every_s, self.status_every_s
                     )
                     self._cv.wait(timeout=max(wait, 0.01))
+            self.step(items)
+
+    def step(self, items: Sequence[tuple[float, int, float, ObjectKey | tuple[int, ...]]] = ()) -> None:
+        """One worker step at ``clock()``: the layer's capacity and the guards' periods when due, then the due
+        ``items``. Each part survives the others' failures (a bad ``/status`` reply must not stop the guards).
+        The worker thread calls it; so can a test with an injected clock."""
+        for part in (self._refresh_capacity, self._measure, lambda: self._handle(items) if items else None):
             try:
-                self._refresh_capacity()
-                self._measure()
-                if items:
-                    self._handle(items)
+                part()
             except Exception:  # noqa: BLE001 - the worker must survive a bad reply
                 log.exception("l1 keeper: step failed")
 
@@ -254,11 +290,40 @@ class L1Keeper:
             self.core.set_capacity(cap)
 
     def _measure(self) -> None:
-        """Every ``measure_every_s``: close a guard period at LMCache's own L1-hit counter (see the core)."""
+        """Every ``measure_every_s``: close a guard period at LMCache's own L1-hit counter (see the core),
+        then the latency guard's at vLLM's TTFT histogram."""
         now = self.clock()
         if now < self._next_measure:
             return
         self._next_measure = now + self.measure_every_s
+        try:
+            self._measure_l1()
+        finally:
+            self._measure_latency()
+
+    def _measure_latency(self) -> None:
+        if self.latency is None or self.engine_ttft is None:
+            return
+        try:
+            ttft = self.engine_ttft()
+        except Exception:  # noqa: BLE001 - engine unreachable: this period is not judged
+            ttft = None
+        if ttft is None:
+            self.counts["measure_failed"] += 1
+            return
+        g, m = self.latency, self.metrics
+        trips, resumes = g.trips, g.resumes
+        p = g.close(*ttft)
+        m.lat_periods.labels(why=p.why).inc()
+        if g.trips > trips:
+            m.lat_trips.inc(g.trips - trips)
+            log.warning("guard: acting cost TTFT (%s s, 95 %% interval); shadow, probing", g.last_interval_s)
+        if g.resumes > resumes:
+            m.lat_resumes.inc(g.resumes - resumes)
+            log.warning("guard: acting no longer costs TTFT (%s s); acting", g.last_interval_s)
+        m.lat_acting.set(1 if g.acts_now() else 0)
+
+    def _measure_l1(self) -> None:
         try:
             reply, _ = self.act.caller.request("GET", "/metrics")
             tokens = l1_hit_tokens(reply.body if reply.status == 200 and isinstance(reply.body, str) else "")
@@ -268,8 +333,8 @@ class L1Keeper:
         if chunks is None:
             self.counts["measure_failed"] += 1
             return
-        with self._core_lock:
-            verdict = self.core.measure(chunks, layer_active=self.is_active())
+        with self._core_lock:  # the period just closed let the keeper act iff both were on
+            verdict = self.core.measure(chunks, layer_active=self.is_active() and self._latency_acts())
             self.metrics.periods.labels(verdict=verdict).inc()
             if self.core.k is not None:
                 self.metrics.k.set(self.core.k)
@@ -315,8 +380,11 @@ class L1Keeper:
             while len(self._dropped) > self._dropped_max:
                 self._dropped.popitem(last=False)
 
+    def _latency_acts(self) -> bool:
+        return self.latency is None or self.latency.acts_now()
+
     def _readmit(self, tokens: tuple[int, ...]) -> None:
-        if not self.is_active() or not self.core.acting:
+        if not self.is_active() or not self.core.acting or not self._latency_acts():
             return
         res = self.act.prefetch([BlockRef(model=self.act.model_name, token_ids=tokens)])
         ok = any(o.outcome is Outcome.APPLIED for o in res.outcomes)
@@ -331,15 +399,20 @@ class L1Keeper:
     def status(self) -> dict[str, Any]:
         with self._lock:
             pending = len(self._due)
+        try:
+            l2 = "per key (fs files)" if self.act.verifier() is not None else "not observable"
+        except Exception:  # noqa: BLE001 - /v1/status must answer while the layer does not
+            l2 = "unknown: the layer's /status does not answer"
         return {
             "strategy": "second-sight admission (drop first-sight chunks from L1 once L2 holds them)",
             "residency": {
                 "l1": "counts only (LMCache MP /status); per-key L1 residency is not observable",
-                "l2": "per key (fs files)" if self.act.verifier() is not None else "not observable",
+                "l2": l2,
             },
             "pending": pending,
             "counts": dict(self.counts),
             "guard": self.core.status(),
+            "latency_guard": self.latency.status() if self.latency is not None else None,
         }
 
 
@@ -357,6 +430,49 @@ def l1_hit_tokens(metrics_text: str) -> float | None:
         if fam.name == L1_HIT_TOKENS:
             total = sum(x.value for x in fam.samples if x.name.endswith("_total"))
     return total if total is not None else (0.0 if seen_layer else None)
+
+
+TTFT_FAMILY = "vllm:time_to_first_token_seconds"
+
+
+class EngineTtftReader:
+    """``engine_ttft`` for the keeper: GET ``<engine>/metrics`` (its own small client: the keeper's worker
+    thread is synchronous) -> :func:`engine_ttft`; None on a non-200 reply."""
+
+    def __init__(self, engine_url: str, timeout_s: float = 2.0) -> None:
+        self.url = engine_url.rstrip("/") + "/metrics"
+        self._client = httpx.Client(timeout=timeout_s)
+
+    def __call__(self) -> tuple[float, float] | None:
+        r = self._client.get(self.url)
+        return engine_ttft(r.text) if r.status_code == 200 else None
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def engine_ttft(metrics_text: str) -> tuple[float, float] | None:
+    """vLLM's cumulative TTFT histogram in a ``/metrics`` text -> (``_sum`` s, ``_count``), summed over its
+    label sets (models, engines); None when the family is absent. A line scan, not a full parse: vLLM's
+    exposition is hundreds of lines and only two series are needed."""
+    total_s = count = 0.0
+    seen = False
+    for line in metrics_text.splitlines():
+        if not line.startswith(TTFT_FAMILY):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name not in (TTFT_FAMILY + "_sum", TTFT_FAMILY + "_count"):
+            continue
+        try:  # ``name{labels} value [timestamp]`` or ``name value [timestamp]``
+            v = float(line.rsplit("}", 1)[-1].split()[0] if "}" in line else line.split()[1])
+        except (IndexError, ValueError):
+            continue
+        seen = True
+        if name.endswith("_sum"):
+            total_s += v
+        else:
+            count += v
+    return (total_s, count) if seen else None
 
 
 def keeper_hook(keeper: L1Keeper) -> Callable[[int | None, Sequence[int], int], None]:

@@ -31,7 +31,7 @@ from kvtier.controller.api import ControlContext, engine_tokenizer
 from kvtier.controller.build_info import register_build_info
 from kvtier.controller.collection import CollectorSet
 from kvtier.controller.decisions import DecisionLog
-from kvtier.controller.l1_keeper import L1Keeper, keeper_hook
+from kvtier.controller.l1_keeper import EngineTtftReader, L1Keeper, keeper_hook
 from kvtier.controller.loop import ReconcileLoop
 from kvtier.controller.metrics import ControllerMetrics
 from kvtier.controller.model import ModelManager
@@ -97,7 +97,9 @@ def build_sidecar(
         clock=clock, engine_url=engine_url, engine_model=model, http=http, policy=doc,
         plans=bool(acts) or keeper_spec is None,  # the keeper alone decides: the loop observes only
     )  # fmt: skip
-    keeper = build_keeper(settings, keeper_spec, plane, registry) if keeper_spec is not None else None
+    keeper = (
+        build_keeper(settings, keeper_spec, plane, registry, engine_url) if keeper_spec is not None else None
+    )
     ingestor.sinks.append(ControlSink(plane, on_stored=keeper_hook(keeper) if keeper is not None else None))
     return Sidecar(settings, collectors=collectors, plane=plane, l1_keeper=keeper, http=http,
                    owns_http=owns_http, tracer_provider=tracer_provider, engine_url=engine_url)  # fmt: skip
@@ -262,10 +264,15 @@ def make_actuator(
 
 
 def build_keeper(
-    settings: Settings, spec: LMCacheL1Settings, plane: ControlPlane, registry: CollectorRegistry
+    settings: Settings,
+    spec: LMCacheL1Settings,
+    plane: ControlPlane,
+    registry: CollectorRegistry,
+    engine_url: str | None = None,
 ) -> L1Keeper:
     """``--actuator lmcache-l1``: the LMCache MP L1 keeper (:mod:`kvtier.controller.l1_keeper`), acting
-    through its own lmcache-mp adapter on the first ``--lmcache-url``. Fed through :func:`keeper_hook`."""
+    through its own lmcache-mp adapter on the first ``--lmcache-url``. Fed through :func:`keeper_hook`.
+    With ``latency_guard`` on it reads the first engine's TTFT histogram (``engine_url``)."""
     from kvtier.controller.actuators import lmcache_mp
 
     urls = settings.collectors.lmcache_urls
@@ -279,8 +286,13 @@ def build_keeper(
         action, _, outcome = what.partition(":")
         acts.labels(layer="lmcache-mp", action=action, outcome=outcome).inc(n)
 
+    ttft = None
+    if spec.latency_guard:
+        if not engine_url:
+            raise ValueError("actuator 'lmcache-l1': latency_guard needs an engine URL (--engine-url)")
+        ttft = EngineTtftReader(engine_url, settings.collectors.http_timeout_s)
     return L1Keeper(act, chain_tokens=loop.tokens.chain_tokens, is_active=lambda: loop.mode == "active",
-                    registry=registry, record=record, **spec.keeper_options())  # fmt: skip
+                    registry=registry, record=record, engine_ttft=ttft, **spec.keeper_options())  # fmt: skip
 
 
 def api_options(settings: Settings) -> dict[str, Any]:

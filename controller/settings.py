@@ -351,10 +351,16 @@ class LMCacheL1Settings(_Section):
     measure_every_s: float = Field(
         default=10.0, gt=0, description="measured-guard period on LMCache's own L1-hit counter, s"
     )
+    latency_guard: bool = Field(
+        default=False,
+        description="switchback guard on the engine's TTFT (its /metrics, once per measure period): hold in"
+        " shadow while acting costs latency",
+    )
 
     def keeper_options(self) -> dict[str, Any]:
-        """Keyword arguments of :class:`~kvtier.controller.l1_keeper.L1Keeper` (all but kind, model)."""
-        return self.model_dump(exclude={"kind", "model_name"})
+        """Keyword arguments of :class:`~kvtier.controller.l1_keeper.L1Keeper` (all but kind, model and
+        the latency guard's switch: the composition root gives the keeper an engine TTFT reader for it)."""
+        return self.model_dump(exclude={"kind", "model_name", "latency_guard"})
 
 
 class LMCacheControllerSettings(_Section):
