@@ -190,6 +190,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--gpu-blocks", type=int, default=96)
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--sidecar-arg", action="append", default=[],
+                    help="one more argument for every sidecar arm's `kvtier serve` (repeatable), "
+                         "e.g. --sidecar-arg=--config --sidecar-arg=keeper.yaml")  # fmt: skip
     a = ap.parse_args(argv)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -197,7 +200,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*cols, console=Console(stderr=True), transient=True) as prog:
         out = run_ab(a.workload, a.requests, arms=a.arms.split(","), repeat=a.repeat, l1_gb=a.l1_gb,
-                     gpu_blocks=a.gpu_blocks, concurrency=a.concurrency, progress=prog)  # fmt: skip
+                     gpu_blocks=a.gpu_blocks, concurrency=a.concurrency, progress=prog,
+                     sidecar_extra=a.sidecar_arg)  # fmt: skip
     Console().print(render_table(out["arms"]))
     print(json.dumps(out["workload"]))
     if a.json:

@@ -448,9 +448,10 @@ def _guard_counters(url: str | None) -> dict[str, float]:
         return {}
     c = scrape_counters(url)
     out = {k: v for k, v in c.items() if k.startswith("kvtier_guard_") and k.endswith("_total")}
-    for name in ("kvtier_guard_windows_total", "kvtier_guard_measured_periods_total"):  # and by verdict
-        for k, v in scrape_labelled(url, name, label="verdict").items():
-            out[f"{name}{{verdict={k}}}"] = v
+    for name, label in (("kvtier_guard_windows_total", "verdict"), ("kvtier_guard_measured_periods_total",
+                        "verdict"), ("kvtier_guard_latency_periods_total", "why")):  # fmt: skip
+        for k, v in scrape_labelled(url, name, label=label).items():
+            out[f"{name}{{{label}={k}}}"] = v
     return out
 
 
