@@ -133,7 +133,9 @@ def probe(target: Target, *, chunks: Sequence[int] = PROBE_CHUNKS, reps: int = 6
     """TTFT (s) of cold / L1-hit / L2-hit sends per prompt length; see the module doc. Each phase sends
     all prompts back to back as the workload does, so a request's cost includes the previous one's
     write-through still running, as it does in the workload."""
-    _send(target, [chunk_tokens(10**9 + i, CHUNK, vocab=VOCAB, seed=PROBE_SEED) for i in range(2)])  # warm-up
+    # warm-up: a freshly started vLLM answers its first requests slowly; one prompt of each probe length
+    _send(target, [[t for k in range(n) for t in chunk_tokens(10**9 + 100 * n + k, CHUNK, vocab=VOCAB,
+                                                              seed=PROBE_SEED)] for n in chunks])  # fmt: skip
     sizes = [n for _ in range(reps) for n in chunks]
     prompts = [
         [t for k in range(n) for t in chunk_tokens(10**10 + i * 100 + k, CHUNK, vocab=VOCAB, seed=PROBE_SEED)]
