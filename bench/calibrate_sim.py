@@ -293,28 +293,34 @@ def loop_schedule(ticks: Sequence[Sequence[float]]) -> tuple[float, float]:
     return ta + math.ceil(-ta / period) * period if ta < 0 else ta, period
 
 
-# LMCache's INFO lines (asctime: local time to the ms): a loop run that evicted (eviction_controller.py), and
-# a finished store / retrieve with its duration (engine_driven_transfer.py)
-_STAMP = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\] LMCache INFO:.*?"
-_TRIGGERED = re.compile(_STAMP + r"triggering eviction")
+# LMCache's log lines (asctime: local time to the ms): an L1 loop run that evicted (INFO, eviction_controller;
+# its L2 loop logs a like line, not this one), a finished store / retrieve with its duration (INFO,
+# engine_driven_transfer.py; a refused store is logged too), and an L1 allocation a full L1 refused (a store's
+# or an L2 load's staging buffers: WARNING, memory_management.py)
+_STAMP = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\] LMCache (?:INFO|WARNING):.*?"
+_TRIGGERED = re.compile(_STAMP + r"L1 memory usage [\d.]+ above watermark [\d.]+; triggering eviction")
 _TRANSFER = re.compile(_STAMP + r"(Stored|Retrieved) (\d+) tokens in ([\d.]+) seconds")
+_REFUSED = re.compile(_STAMP + r"Failed to batched allocate \d+ memory blocks")
 
 
 def lmcache_log_events(log: Path, wall_at_zero_s: float) -> dict[str, list[list[float]]]:
     """LMCache's own record of what it did, from its log -> s after ``wall_at_zero_s`` (``time.time()``
     at the run's start; negative before it): ``triggered`` (``[t]``: eviction-loop runs that evicted),
-    ``stored`` / ``retrieved`` (``[start, end]`` of each store / retrieve). The asctime is taken as the
-    server acts: far closer than a scrape of its counters or the client's first token on a loaded host
-    (there a store ends up to ~1 s before the client sees the first token)."""
-    out: dict[str, list[list[float]]] = {"triggered": [], "stored": [], "retrieved": []}
+    ``stored`` / ``retrieved`` (``[start, end]`` of each store / retrieve), ``refused`` (``[t]``: L1
+    allocations a full L1 refused). The asctime is taken as the server acts: far closer than a scrape of
+    its counters or the client's first token on a loaded host (there a store ends up to ~1 s before the
+    client sees the first token)."""
+    out: dict[str, list[list[float]]] = {"triggered": [], "stored": [], "retrieved": [], "refused": []}
     with open(log, encoding="utf-8", errors="replace") as f:
         for line in f:
-            m = _TRIGGERED.search(line) or _TRANSFER.search(line)
+            m = _TRIGGERED.search(line) or _TRANSFER.search(line) or _REFUSED.search(line)
             if not m:
                 continue
             t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - wall_at_zero_s
             if m.re is _TRIGGERED:
                 out["triggered"].append([t])
+            elif m.re is _REFUSED:
+                out["refused"].append([t])
             else:
                 out[m.group(2).lower()].append([t - float(m.group(4)), t])
     return out
@@ -330,27 +336,41 @@ def request_times(
     sent_at_s: Sequence[float], first_token_at_s: Sequence[float], events: dict[str, list[list[float]]]
 ) -> tuple[list[float], list[float], int]:
     """When the layer looked each request up and stored its blocks (s from the run's start), for requests
-    sent one at a time: LMCache's logged transfers are assigned to the request whose send precedes them.
-    Look-up: the start of its retrieve (a hit), else the start of its store (nothing found: the look-up
-    came just before the prefill), else its send. Store: the start of its store (the L1 allocation that a
-    full L1 refuses), else its first token. -> (look-ups, stores, requests placed by the log)."""
+    sent one at a time: LMCache's logged transfers and refused allocations are assigned to the request
+    whose send precedes them. Store (when L1 allocates for it, the moment a full L1 refuses it): its last
+    refused allocation (LMCache still logs "Stored" for a refused store; the store comes after any refused
+    L2 load), else the end of its store (the CPU build's pickle transfer allocates inside the commit, ms
+    before the line), else its first token. Look-up: the start of its retrieve (a hit), else its first
+    refusal or store (nothing found: the look-up came just before them), else its send.
+    -> (look-ups, stores, requests placed by the log)."""
     import bisect
 
     n = len(sent_at_s)
-    firsts: dict[str, list[float | None]] = {"stored": [None] * n, "retrieved": [None] * n}
+    kinds = ("stored", "retrieved", "refused")
+    firsts: dict[str, list[float | None]] = {k: [None] * n for k in kinds}
+    store_end: list[float | None] = [None] * n
+    last_refused: list[float | None] = [None] * n
     owners = [i for i, s in enumerate(sent_at_s) if s == s]  # a failed request (NaN) owns nothing
     at = [sent_at_s[i] for i in owners]
-    for kind, slot in firsts.items():
-        for start, _end in events.get(kind, []):
-            k = bisect.bisect_right(at, start) - 1
-            if k >= 0 and slot[owners[k]] is None:
-                slot[owners[k]] = start
+    for kind in kinds:
+        for ev in sorted(events.get(kind, [])):
+            k = bisect.bisect_right(at, ev[0]) - 1
+            if k < 0:
+                continue
+            if firsts[kind][owners[k]] is None:
+                firsts[kind][owners[k]] = ev[0]
+                if kind == "stored":
+                    store_end[owners[k]] = ev[-1]
+            if kind == "refused":
+                last_refused[owners[k]] = ev[0]
     look, store, placed = [], [], 0
     for i in range(n):
-        st, rt = firsts["stored"][i], firsts["retrieved"][i]
-        placed += st is not None or rt is not None
-        look.append(rt if rt is not None else st if st is not None else sent_at_s[i])
-        store.append(st if st is not None else first_token_at_s[i])
+        st, rt, ft, lt = firsts["stored"][i], firsts["retrieved"][i], firsts["refused"][i], last_refused[i]
+        placed += st is not None or rt is not None or ft is not None
+        early = [t for t in (st, ft) if t is not None]
+        look.append(rt if rt is not None else min(early) if early else sent_at_s[i])
+        se = store_end[i]
+        store.append(lt if lt is not None else se if se is not None else first_token_at_s[i])
     return look, store, placed
 
 
@@ -454,7 +474,9 @@ def measure(n: int, *, probe_reps: int = 6, root: Path | None = None) -> dict[st
         "started_wall_s": r.started_perf_s + wall_minus_perf,  # the run's start on time.time's clock
         # its runs that evicted, from LMCache's log (s from the run's start; the probe's are negative)
         "l1_loop_triggered_s": [t for (t,) in events["triggered"]],
-        "lmcache_transfers_s": {k: events[k] for k in ("stored", "retrieved")},  # [start, end] each
+        "lmcache_transfers_s": {
+            k: events[k] for k in ("stored", "retrieved", "refused")
+        },  # [start, end] each; refused [t]
         "probe": pr,
         "loadavg": {"start": load0, "after_probe": load1, "after_workload": load2},
         "cpu_count": os.cpu_count(),

@@ -148,8 +148,9 @@ def test_layer_replay_follows_the_measured_loop_phase() -> None:
 
 
 def test_triggered_loop_runs_are_read_from_lmcaches_own_log(tmp_path: Path) -> None:
-    """LMCache's log format (colour codes included); other lines, a below-watermark DEBUG line and a
-    truncated line are ignored. Times are local wall time to the ms, relative to the given origin."""
+    """LMCache's log format (colour codes included); other lines, a below-watermark DEBUG line, a
+    truncated line and the L2 loop's run are ignored. Times are local wall time to the ms, relative to the
+    given origin."""
     from datetime import datetime
 
     log = tmp_path / "mp_server.log"
@@ -159,9 +160,12 @@ def test_triggered_loop_runs_are_read_from_lmcaches_own_log(tmp_path: Path) -> N
         "[2026-12-05 12:27:15,592] LMCache DEBUG: L1 memory usage 0.50 below watermark 0.80; skipping"
         " eviction.\n"
         "[2026-12-05 12:27:15,600] LMCache INFO: Stored 8 keys\n"
+        "[2026-12-05 12:27:15,610] LMCache INFO: L2 usage 0.95 above watermark 0.80; triggering eviction.\n"
         "\x1b[32;20m[2026-12-05 12:27:15,650] LMCache INFO:\x1b[0m Stored 512 tokens in 0.020 seconds"
         " (engine_driven_transfer.py:301:lmcache.v1.multiprocess.modules.engine_driven_transfer)\n"
         "[2026-12-05 12:27:15,900] LMCache INFO: Retrieved 128 tokens in 0.0005 seconds (engine_driven_tr)\n"
+        "\x1b[33;20m[2026-12-05 12:27:16,100] LMCache WARNING:\x1b[0m Failed to batched allocate 14 memory"
+        " blocks of size 65536 because no enough memory is available (short by 13 blocks) (memory_manag)\n"
         "\x1b[32;20m[2026-12-05 12:27:16,593] LMCache INFO:\x1b[0m L1 memory usage 1.00 above watermark 0.80;"
         " triggering eviction.\n"
         "[2026-12-05 12:27:17,5",
@@ -172,24 +176,35 @@ def test_triggered_loop_runs_are_read_from_lmcaches_own_log(tmp_path: Path) -> N
     ev = lmcache_log_events(log, zero)
     assert ev["stored"] == [pytest.approx([0.63, 0.65], abs=1e-6)]  # [start, end]: end - its duration
     assert ev["retrieved"] == [pytest.approx([0.8995, 0.9], abs=1e-6)]
+    assert ev["refused"] == [pytest.approx([1.1], abs=1e-6)]
 
 
 def test_request_times_come_from_lmcaches_transfers_else_from_the_client() -> None:
-    """Requests sent one at a time own the transfers logged after their send: a hit's look-up is its
-    retrieve's start, a miss's look-up its store's start (it came just before the prefill), the store is
-    the store's start; without a logged transfer (nothing new, nothing found) the client's times stay. A
-    failed request (NaN send) owns nothing; a transfer before the first send belongs to no request."""
+    """Requests sent one at a time own the transfers and refusals logged after their send: a hit's look-up
+    is its retrieve's start, a miss's look-up its first store or refusal (it came just before them); the
+    store is its last refusal (a refused store is still logged as stored), else its store's end (the pickle
+    transfer allocates inside the commit); without a logged transfer (nothing new, nothing found) the
+    client's times stay. A failed request (NaN send) owns nothing; a transfer before the first send
+    belongs to no request."""
     nan = float("nan")
-    sent = [0.0, 1.0, nan, 2.0, 3.0]
-    first = [0.5, 1.9, nan, 2.6, 3.4]
+    sent = [0.0, 1.0, nan, 2.0, 3.0, 4.0]
+    first = [0.5, 1.9, nan, 2.6, 3.4, 4.5]
     events = {
-        "stored": [[-0.5, -0.4], [0.2, 0.21], [1.3, 1.32], [2.35, 2.36], [2.4, 2.45]],  # 2.4: a second store
+        "stored": [
+            [-0.5, -0.4],
+            [0.2, 0.21],
+            [1.3, 1.32],
+            [2.35, 2.36],
+            [2.4, 2.45],  # 2.4: a second store
+            [4.2, 4.26],
+        ],  # fmt: skip
         "retrieved": [[1.1, 1.2], [3.05, 3.1]],
+        "refused": [[4.1], [4.25]],  # request 5: an L2 load's staging, then its store, refused
     }
     look, store, placed = request_times(sent, first, events)
-    assert look[:2] + look[3:] == [0.2, 1.1, 2.35, 3.05] and look[2] != look[2]
-    assert store[:2] == [0.2, 1.3] and store[3:] == [2.35, 3.4] and store[2] != store[2]
-    assert placed == 4
+    assert look[:2] + look[3:] == [0.2, 1.1, 2.35, 3.05, 4.1] and look[2] != look[2]
+    assert store[:2] == [0.21, 1.32] and store[3:] == [2.36, 3.4, 4.25] and store[2] != store[2]
+    assert placed == 5
 
 
 def test_loop_runs_between_logged_ones_are_spread_at_the_period() -> None:
