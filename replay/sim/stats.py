@@ -13,21 +13,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from scipy import stats
 
 from kvtier.replay.sim.serving import RequestRecord
 
-# two-sided 97.5% Student t quantiles by degrees of freedom (scipy is not a dependency)
-_T975 = {
-    1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-    11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 19: 2.093, 24: 2.064, 29: 2.045,
-}  # fmt: skip
-
 
 def t975(df: int) -> float:
-    if df <= 0:
-        return math.inf
-    keys = sorted(k for k in _T975 if k <= df)
-    return _T975[keys[-1]] if df <= 29 else 1.96 + 2.4 / df
+    """The 97.5 % Student t quantile (a two-sided 95 % interval) for ``df`` degrees of freedom."""
+    return math.inf if df <= 0 else float(stats.t.ppf(0.975, df))
 
 
 def ci(values: Sequence[float]) -> tuple[float, float]:

@@ -3,6 +3,8 @@ prefill under a per-step token budget, the concurrency limit, position-dependent
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -79,7 +81,7 @@ def test_recompute_cost_grows_with_position() -> None:
 
 def test_confidence_intervals_by_batch_means() -> None:
     m, hw = ci([1.0, 2.0, 3.0])
-    assert m == 2.0 and hw == pytest.approx(4.303 * 1.0 / 3**0.5)
+    assert m == 2.0 and hw == pytest.approx(4.303 * 1.0 / 3**0.5, rel=1e-3)  # t(0.975, 2) = 4.303
     sc = _sc(concurrency=4)
     reqs = [_req(0.5 * i, [i % 7, 100 + i]) for i in range(60)]
     layer = CacheLayer(sc.tiers, sc.block_bytes)
@@ -88,3 +90,17 @@ def test_confidence_intervals_by_batch_means() -> None:
     assert s["batches"] == 6 and s["ttft_p50_s_ci95"] >= 0 and s["throughput_tokens_per_s"] > 0
     d = paired_diff(s, s)
     assert d["ttft_p50_s"]["mean"] == 0.0
+
+
+def test_batch_mean_interval_is_students_t_at_any_batch_count() -> None:
+    """The half-width is t(0.975, k-1) * sd / sqrt(k) for any k, not only tabulated degrees of freedom:
+    checked against scipy's own t interval on a fixed sample (k = 17 has no entry in a short t table)."""
+    from scipy import stats
+
+    rng = np.random.default_rng(7)
+    for k in (2, 10, 17, 40):
+        x = rng.normal(3.0, 0.5, size=k)
+        mean, hw = ci(x.tolist())
+        lo, hi = stats.t.interval(0.95, k - 1, loc=x.mean(), scale=stats.sem(x))
+        assert mean == pytest.approx(x.mean()) and hw == pytest.approx((hi - lo) / 2, rel=1e-9)
+    assert ci([1.0])[1] == math.inf
