@@ -148,7 +148,10 @@ class KvtierArm:
         act = self.loop.actuators[0]
         assert isinstance(act, MemoryActuator)
         self.actuator = act
-        self.app = create_app(self.sidecar)
+        # the simulation drives the sidecar (ticks on simulated time, requests as they arrive): the app must
+        # not also start the plane's wall-clock loop, whose extra ticks at random simulated moments made the
+        # kvtier arm differ run to run
+        self.app = create_app(self.sidecar, manage_lifecycle=False)
         self.history = install_status_page(self.app, self.sidecar.registry)
         self.baselines: dict[str, dict[str, Any]] = {}  # the other arms' figures, set before run()
         self.baseline_records: dict[str, list[Any]] = {}
@@ -527,6 +530,7 @@ async def _serve_while(arm: KvtierArm, say: Callable[[str], None]) -> dict[str, 
         arm.stop.set()
         server.should_exit = True
         await serve_task
+        await arm.sidecar.stop()  # actuators, state store, HTTP client (nothing was started)
         sys.stdout.flush()
 
 

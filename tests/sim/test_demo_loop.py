@@ -95,3 +95,20 @@ def test_cli_writes_the_three_arms_as_json(tmp_path: Any) -> None:
     assert set(arms) == {"no_offload", "default", "kvtier"}
     for a in arms.values():
         assert {"ttft_p50_s", "ttft_p99_s", "throughput_tokens_per_s", "ttft_p50_s_ci95"} <= set(a)
+
+
+@pytest.mark.timeout(300)
+def test_the_kvtier_arm_is_deterministic_while_it_serves(tmp_path: Any) -> None:
+    """The simulation alone drives the sidecar: paced over a few wall seconds (long enough for a wall-clock
+    reconcile loop to tick in between, as the app's lifespan used to start one), two runs decide and apply
+    exactly the same."""
+    figs = []
+    for i in range(2):
+        opts = DemoOptions(
+            max_requests=300, listen="127.0.0.1:0", speed=80.0, state_dir=str(tmp_path / f"{i}")
+        )
+        k = run_demo(opts)["arms"]["kvtier"]
+        keys = ("ticks", "decisions", "actuations_applied_total", "ttft_p50_s", "ttft_p99_s")
+        figs.append(tuple(k[key] for key in keys))
+    assert figs[0] == figs[1]
+    assert figs[0][2] > 0
