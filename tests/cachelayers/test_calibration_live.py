@@ -5,8 +5,10 @@ bench.calibrate_sim`` -- on a 180-request slice of the bundled trace. Hit tokens
 look-up and store meets LMCache's 1 s eviction loop; the timed replay takes those moments from LMCache's own
 log (to the ms: on a loaded host a store ends up to ~1 s before the client sees the first token, and one L1
 trim moved by 0.1 s moves a dozen chunks between L1 and L2), so they must agree within 10 % whatever the
-load. TTFT on 2 shared cores is a fixed cost plus contention noise, so it is only bounded here (the
-benchmark prints the ratio).
+load. TTFT p50 must agree within 25 % (issue 15) with the machine's costs measured in the same minutes:
+the fixed and per-token prefill cost fitted on the even-numbered requests, the odd ones scored
+(:func:`~bench.calibrate_sim.fit_run`); the 2 shared cores drift too much between the probe and the
+workload for the probe's own rates (printed beside it) to hold that bound on every run.
 """
 
 from __future__ import annotations
@@ -34,4 +36,5 @@ def test_hit_tokens_per_tier_match_the_real_stack_within_ten_percent(tmp_path: P
                    "loaded from LMCache (vLLM external)", "recomputed"):  # fmt: skip
         r = rows[figure]
         assert abs(r["predicted"] - r["measured"]) <= 0.1 * max(r["measured"], 640), r  # 10 %, or 10 chunks
-    assert 0.5 <= rows["TTFT p50 (s)"]["ratio"] <= 2.0, rows["TTFT p50 (s)"]
+    assert out["run_fit"] is not None and out["ttft_held_out"]["requests"] >= 80
+    assert 0.75 <= rows["TTFT p50 (s)"]["ratio"] <= 1.25, rows["TTFT p50 (s)"]

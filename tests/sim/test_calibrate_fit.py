@@ -12,6 +12,8 @@ import pytest
 from bench.calibrate_sim import (
     compare,
     fit_probe,
+    fit_run,
+    held_out_ttft,
     layer_at_times,
     lmcache_log_events,
     loop_period,
@@ -19,7 +21,9 @@ from bench.calibrate_sim import (
     loop_times,
     observe_loop_tick,
     predict,
+    render,
     request_times,
+    run,
     sim_requests,
     theil_sen,
     triggered_loop_times,
@@ -222,3 +226,56 @@ def test_loop_runs_between_logged_ones_are_spread_at_the_period() -> None:
     assert loop_times([2.5], 1.0) == pytest.approx([0.5, 1.5, 2.5])
     assert loop_times([], 1.0) == []
     assert loop_period([3.0], 1.02) == 1.02  # no gap to measure: the tick counter's estimate
+
+
+def test_in_run_fit_uses_only_even_requests_that_loaded_nothing() -> None:
+    n = 200
+    rec = [64 * (1 + i % 15) for i in range(n)]
+    loaded = [640 if i % 10 == 4 else 0 for i in range(n)]  # some even requests loaded from LMCache
+    ttft = [0.03 + 2e-5 * r for r in rec]
+    for i in range(n):
+        if i % 2 == 1 or loaded[i]:
+            ttft[i] = 5.0  # the odd ones and the loaders must not move the fit
+    ttft[0] = float("nan")  # a failed request
+    f = fit_run(ttft, rec, loaded)
+    assert f is not None and f["c0_s"] == pytest.approx(0.03)
+    assert f["prefill_s_per_token"] == pytest.approx(2e-5)
+    assert f["fit_requests"] == 100 - 20 - 1
+    assert fit_run(ttft[:30], rec[:30], loaded[:30]) is None  # 12 usable points: the probe's rates stand
+    flat = fit_run([0.05] * n, rec, [0] * n)
+    assert flat is not None and flat["prefill_s_per_token"] == 0.0 and flat["c0_s"] == pytest.approx(0.05)
+    meas = [1.0, 0.1, 1.0, 0.3, 1.0, float("nan"), 1.0, 0.7, 1.0, 0.9]  # even ones are never scored
+    h = held_out_ttft([0.1 * i for i in range(10)], meas)
+    assert h["requests"] == 4
+    assert h["pred_p50_s"] == pytest.approx(0.5) and h["meas_p50_s"] == pytest.approx(0.5)
+
+
+def test_in_run_rates_predict_ttft_when_the_machine_slowed_down_after_the_probe() -> None:
+    """A recording whose workload ran 1.6x slower than its probe (the 2-core host's drift under a CI's load):
+    the probe's rates miss TTFT p50 by that factor, the in-run fit (even requests) predicts the odd ones'."""
+    n = 160
+    probe_c0, probe_a = 0.02, 2e-5
+    rows = [{"chunks": c, "tokens": 64 * c, "cold_s": probe_c0 + probe_a * 64 * c, "l1_s": probe_c0 + 0.001,
+             "l2_s": probe_c0 + 0.002} for c in (1, 2, 4, 8, 15) * 3]  # fmt: skip
+    reqs = sim_requests(load_workload("bundled", n))
+    sent = [0.2 * i for i in range(n)]
+    first = [t + 0.05 for t in sent]
+    per = layer_at_times(load_scenario("cpu-tiny"), reqs, sent, first)["per_request"]
+    slow = 1.6
+    ttft = [slow * (probe_c0 + probe_a * r) + 0.002 * (ld > 0) for r, ld in
+            zip(per["recomputed_tokens"], per["loaded_tokens"], strict=True)]  # fmt: skip
+    live = {"requests": n, "measured": {"gpu_hit_tokens": 0, "l1_hit_tokens": 0, "l2_hit_tokens": 0,
+            "external_hit_tokens": 0, "recomputed_tokens": 1, "ttft_p50_s": float(np.quantile(ttft, 0.5)),
+            "ttft_p90_s": float(np.quantile(ttft, 0.9))}, "measured_ttft_s": ttft,
+            "measured_sent_at_s": sent, "measured_first_token_at_s": first, "probe": {"rows": rows},
+            "loadavg": {"after_workload": [1.0, 1.0, 1.0]}, "cpu_count": 2}  # fmt: skip
+    out = run(n, live=live)
+    rows_by = {r["figure"]: r for r in out["comparison"]}
+    assert out["run_fit"]["c0_s"] == pytest.approx(slow * probe_c0, rel=0.05)
+    assert rows_by["TTFT p50 (s)"]["ratio"] == pytest.approx(1.0, abs=0.1)
+    assert rows_by["TTFT p50 (s), probe's rates"]["ratio"] == pytest.approx(1 / slow, abs=0.1)
+    assert out["ttft_held_out"]["requests"] == n // 2
+    assert "in-run fit" in render(out)
+    probe_only = run(n, live=live, rates="measured")
+    assert probe_only["run_fit"] is None and "TTFT p50 (s), probe's rates" not in {
+        r["figure"] for r in probe_only["comparison"]}  # fmt: skip
