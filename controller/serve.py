@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import typer
@@ -67,6 +68,8 @@ def serve(
         )  # fmt: skip
         host, port = settings.serve.listen_host_port
         configure_logging(settings.serve.log_level, json_lines=settings.serve.log_json)
+        if settings.serve.cpu_nice:  # before any thread starts: every thread inherits it
+            os.nice(settings.serve.cpu_nice)
         settings = discover_models(settings)  # the one blocking look-up, before anything is built
         sidecar = build_sidecar(settings, reset_state=reset_state)
     except (PeerNotAvailable, ValueError, OSError) as exc:

@@ -92,6 +92,11 @@ class ServeSettings(_Section):
     mode: Mode | None = Field(
         default=None, description="off | shadow | active; None keeps the persisted policy's (default shadow)"
     )
+    cpu_nice: int = Field(
+        default=0, ge=0, le=19,
+        description="raise the process's nice value by this at start (Linux): where the sidecar shares cores "
+        "with the engine, its ticks and scrapes then yield the CPU to it",
+    )  # fmt: skip
     # -- hardening: see controller/guard.py and docs/security.md --
     insecure_no_auth: bool = Field(
         default=False, description="allow a non-loopback listen without an API token (logged loudly)"

@@ -170,3 +170,18 @@ def test_demo_is_ready_without_an_engine_url(tmp_path: Path) -> None:
     finally:
         p.terminate()
         p.wait(timeout=30)
+
+
+def test_cpu_nice_lowers_the_serving_process_priority(tmp_path: Path) -> None:
+    """``serve.cpu_nice`` (here from a config file): the running process, and so every thread it starts,
+    runs that much nicer than its parent, so it yields shared cores to the engine; out of range is an
+    error."""
+    cfg = tmp_path / "nice.yaml"
+    cfg.write_text("serve:\n  cpu_nice: 7\n")
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    for s in _serve(tmp_path, "--config", str(cfg)):
+        assert os.getpriority(os.PRIO_PROCESS, s.proc.pid) == min(19, own + 7)
+    cfg.write_text("serve:\n  cpu_nice: 20\n")
+    r = subprocess.run([*KVTIER, "serve", "--config", str(cfg), "--listen", "127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and "cpu_nice" in r.stderr, r.stderr
