@@ -241,6 +241,7 @@ def test_in_run_fit_uses_only_even_requests_that_loaded_nothing() -> None:
     assert f is not None and f["c0_s"] == pytest.approx(0.03)
     assert f["prefill_s_per_token"] == pytest.approx(2e-5)
     assert f["fit_requests"] == 100 - 20 - 1
+    assert len(f["residuals_s"]) == 79 and max(abs(r) for r in f["residuals_s"]) < 1e-6
     assert fit_run(ttft[:30], rec[:30], loaded[:30]) is None  # 12 usable points: the probe's rates stand
     flat = fit_run([0.05] * n, rec, [0] * n)
     assert flat is not None and flat["prefill_s_per_token"] == 0.0 and flat["c0_s"] == pytest.approx(0.05)
@@ -248,6 +249,11 @@ def test_in_run_fit_uses_only_even_requests_that_loaded_nothing() -> None:
     h = held_out_ttft([0.1 * i for i in range(10)], meas)
     assert h["requests"] == 4
     assert h["pred_p50_s"] == pytest.approx(0.5) and h["meas_p50_s"] == pytest.approx(0.5)
+    # with the fit's scatter: the predicted distribution is every prediction plus every residual
+    h = held_out_ttft([0.1 * i for i in range(10)], meas, [-0.05, 0.0, 0.05, 0.4])
+    pooled = sorted(0.1 * i + r for i in (1, 3, 7, 9) for r in (-0.05, 0.0, 0.05, 0.4))
+    assert h["pred_p50_s"] == pytest.approx(float(np.quantile(pooled, 0.5)))
+    assert h["pred_p90_s"] == pytest.approx(float(np.quantile(pooled, 0.9))) and h["pred_p90_s"] > 0.9
 
 
 def test_in_run_rates_predict_ttft_when_the_machine_slowed_down_after_the_probe() -> None:
