@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from bench.calibrate_sim import measure, render, run
+from bench.live_ab import MAX_PROMPT
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.lmcache]
 
@@ -35,6 +36,8 @@ def test_hit_tokens_per_tier_match_the_real_stack_within_ten_percent(tmp_path: P
     for figure in ("GPU prefix cache (vLLM)", "LMCache L1 (lookup hits)", "LMCache L2 (lookup hits)",
                    "loaded from LMCache (vLLM external)", "recomputed"):  # fmt: skip
         r = rows[figure]
-        assert abs(r["predicted"] - r["measured"]) <= 0.1 * max(r["measured"], 640), r  # 10 %, or 10 chunks
+        # 10 %, or one request's prompt: a store meeting a nearly full L1 is admitted or refused whole, and
+        # the model's L1 occupancy at that moment can be a few chunks off LMCache's (docs/perf/calibration.md)
+        assert abs(r["predicted"] - r["measured"]) <= max(0.1 * r["measured"], MAX_PROMPT), r
     assert out["run_fit"] is not None and out["ttft_held_out"]["requests"] >= 80
     assert 0.75 <= rows["TTFT p50 (s)"]["ratio"] <= 1.25, rows["TTFT p50 (s)"]
