@@ -148,11 +148,7 @@ class KvtierArm:
         act = self.loop.actuators[0]
         assert isinstance(act, MemoryActuator)
         self.actuator = act
-        # the simulation drives the sidecar's plane (ticks on simulated time, requests as they arrive): the
-        # app must not also start the plane's wall-clock loop, whose extra ticks at random simulated moments
-        # made the kvtier arm differ run to run; the collector loops (storage, readiness) start in
-        # _serve_while
-        self.app = create_app(self.sidecar, manage_lifecycle=False)
+        self.app = create_app(self.sidecar)  # its start leaves the loop to the simulation (emulated_engine)
         self.history = install_status_page(self.app, self.sidecar.registry)
         self.baselines: dict[str, dict[str, Any]] = {}  # the other arms' figures, set before run()
         self.baseline_records: dict[str, list[Any]] = {}
@@ -499,7 +495,6 @@ async def _serve_while(arm: KvtierArm, say: Callable[[str], None]) -> dict[str, 
 
     host, port = arm.sidecar.settings.serve.listen_host_port
     server = uvicorn.Server(uvicorn.Config(arm.app, host=host, port=port, log_level="warning"))
-    await arm.sidecar.collectors.start()  # the plane is driven by the simulation, not started here
     serve_task = asyncio.create_task(server.serve())
     while not server.started:
         if serve_task.done():
@@ -532,7 +527,6 @@ async def _serve_while(arm: KvtierArm, say: Callable[[str], None]) -> dict[str, 
         arm.stop.set()
         server.should_exit = True
         await serve_task
-        await arm.sidecar.stop()  # actuators, state store, HTTP client (nothing was started)
         sys.stdout.flush()
 
 

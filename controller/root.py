@@ -71,8 +71,9 @@ def build_sidecar(
     demo's index-counting one), ``actuators`` (built actuator objects, appended after the settings' entries),
     ``policy`` (the seed document instead of the settings' planner/loop/predictor sections; a document
     persisted in the state dir still wins), ``tracer_provider`` (an in-memory exporter in tests).
-    ``reset_state``: ``--reset-state``, forget the persisted policy first. ``emulated_engine``: the index is
-    driven by a simulation, so readiness needs no engine URL. The served model's name comes from
+    ``reset_state``: ``--reset-state``, forget the persisted policy first. ``emulated_engine``: the index and
+    the reconcile loop are driven by a simulation, so readiness needs no engine URL and :meth:`Sidecar.start`
+    leaves the loop to it. The served model's name comes from
     ``settings.collectors.engine_model`` (fill it with :func:`discover_models`)."""
     if reset_state:
         reset_persisted_policy(settings.serve.state_dir)
@@ -102,7 +103,8 @@ def build_sidecar(
     )
     ingestor.sinks.append(ControlSink(plane, on_stored=keeper_hook(keeper) if keeper is not None else None))
     return Sidecar(settings, collectors=collectors, plane=plane, l1_keeper=keeper, http=http,
-                   owns_http=owns_http, tracer_provider=tracer_provider, engine_url=engine_url)  # fmt: skip
+                   owns_http=owns_http, tracer_provider=tracer_provider, engine_url=engine_url,
+                   runs_plane=not emulated_engine)  # fmt: skip
 
 
 def settings_actuators(

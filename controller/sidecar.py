@@ -45,9 +45,12 @@ class Sidecar:
         owns_http: bool,
         tracer_provider: TracerProvider,
         engine_url: str | None,
+        runs_plane: bool = True,
     ) -> None:
         """Parts from :func:`~kvtier.controller.root.build_sidecar`; ``owns_http``: :meth:`stop` closes
-        ``http`` (False when the caller handed it in)."""
+        ``http`` (False when the caller handed it in); ``runs_plane``: :meth:`start` starts the plane's
+        wall-clock reconcile loop and retrain (False when a simulation ticks the loop on its own clock: a
+        second driver's ticks at random simulated moments would make its runs differ)."""
         self.settings = settings
         self.collectors = collectors
         self.plane = plane
@@ -56,6 +59,7 @@ class Sidecar:
         self.owns_http = owns_http
         self.tracer_provider = tracer_provider
         self.engine_url = engine_url
+        self.runs_plane = runs_plane
         self.geometry: EngineGeometry | None = None
         persisted = plane.store.get_json("policy") is not None
         api = "api (persisted)"
@@ -87,7 +91,8 @@ class Sidecar:
     async def start(self) -> None:
         """Launch the collector loops, the reconcile loop and retrain, the keeper, the geometry discovery."""
         await self.collectors.start()
-        await self.plane.start()
+        if self.runs_plane:
+            await self.plane.start()
         if self.l1_keeper is not None:
             self.l1_keeper.start()
         if self.engine_url and self.policy_source["policy"] == "default":
