@@ -17,9 +17,10 @@ Hit tokens by source (all deltas over one run, tokens):
   (``lmcache_mp_lookup_hit_l{1,2}_tokens``);
 - ``hit_tokens_total`` = gpu + external; ``recomputed_tokens`` = prompt tokens - hit_tokens_total.
 
-Statistics: TTFT CIs are percentile bootstraps over requests (all runs of the arm pooled); counter CIs are
-bootstraps over runs (a single run gives a degenerate interval: its value twice). Ratios to baseline use
-the same resamples.
+Statistics: TTFT CIs are two-stage percentile bootstraps (an arm's runs, then the requests of each drawn
+run), because the host drifts between runs and a run's requests share its minutes; with one run per arm
+they are request-level and blind to drift. Counter CIs are bootstraps over runs (a single run gives a
+degenerate interval: its value twice). Ratios to baseline resample both arms the same way.
 """
 
 from __future__ import annotations
@@ -171,6 +172,70 @@ def bootstrap_ratio_ci(
     for i in range(n_boot):
         den = stat(y[rng.integers(0, y.size, y.size)])
         num = stat(x[rng.integers(0, x.size, x.size)])
+        ratios[i] = num / den if den else math.nan
+    ratios = ratios[np.isfinite(ratios)]
+    if ratios.size == 0:
+        return (math.nan, math.nan)
+    lo, hi = np.quantile(ratios, [alpha / 2, 1 - alpha / 2])
+    return (float(lo), float(hi))
+
+
+def _two_stage(runs: Sequence[np.ndarray], rng: np.random.Generator) -> np.ndarray:
+    """One two-stage resample: runs with replacement, then each drawn run's values with replacement."""
+    pick = rng.integers(0, len(runs), len(runs))
+    return np.concatenate([runs[j][rng.integers(0, runs[j].size, runs[j].size)] for j in pick])
+
+
+def _runs(runs: Sequence[Sequence[float] | np.ndarray]) -> list[np.ndarray]:
+    return [a for a in (np.asarray(r, dtype=float) for r in runs) if a.size]
+
+
+def run_bootstrap_ci(
+    runs: Sequence[Sequence[float] | np.ndarray],
+    stat: Callable[[np.ndarray], float] = _mean,
+    *,
+    n_boot: int = 2000,
+    alpha: float = 0.05,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile CI of ``stat`` over per-request values grouped by run, from a two-stage bootstrap (runs,
+    then requests within each drawn run). Why: the host's speed drifts between runs, so the requests of
+    one run are not independent of each other; pooling them (:func:`bootstrap_ci`) gives an interval as
+    narrow as if every request had its own minute. The two-stage resample carries the run-to-run spread
+    and is conservative when there is none (it counts the within-run spread twice). One run: the
+    request-level interval, which says nothing about drift. ``(nan, nan)`` when there are no values."""
+    rs = _runs(runs)
+    if not rs:
+        return (math.nan, math.nan)
+    if len(rs) == 1:
+        return bootstrap_ci(rs[0], stat, n_boot=n_boot, alpha=alpha, seed=seed)
+    rng = np.random.default_rng(seed)
+    boots = np.array([stat(_two_stage(rs, rng)) for _ in range(n_boot)])
+    lo, hi = np.quantile(boots, [alpha / 2, 1 - alpha / 2])
+    return (float(lo), float(hi))
+
+
+def run_bootstrap_ratio_ci(
+    a_runs: Sequence[Sequence[float] | np.ndarray],
+    b_runs: Sequence[Sequence[float] | np.ndarray],
+    stat: Callable[[np.ndarray], float] = _mean,
+    *,
+    n_boot: int = 2000,
+    alpha: float = 0.05,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile CI of ``stat(a) / stat(b)`` with both arms resampled in two stages (see
+    :func:`run_bootstrap_ci`); with one run per arm it is the request-level :func:`bootstrap_ratio_ci`."""
+    xa, xb = _runs(a_runs), _runs(b_runs)
+    if not xa or not xb:
+        return (math.nan, math.nan)
+    if len(xa) == 1 and len(xb) == 1:
+        return bootstrap_ratio_ci(xa[0], xb[0], stat, n_boot=n_boot, alpha=alpha, seed=seed)
+    rng = np.random.default_rng(seed)
+    ratios = np.empty(n_boot)
+    for i in range(n_boot):
+        den = stat(_two_stage(xb, rng))
+        num = stat(_two_stage(xa, rng))
         ratios[i] = num / den if den else math.nan
     ratios = ratios[np.isfinite(ratios)]
     if ratios.size == 0:
@@ -461,6 +526,7 @@ HIT_FIELDS = ("hit_tokens_total", "gpu_hit_tokens", "external_hit_tokens", "l1_h
 
 def summarize(runs: Sequence[RunResult], baseline: Sequence[RunResult] | None = None) -> dict[str, Any]:
     """Per-arm figures (see module doc); ``ratio_to_baseline`` with CIs when baseline runs are given."""
+    by_run = [r.ttft_s for r in runs]
     ttft = [t for r in runs for t in r.ttft_s]
     n_req = sum(len(r.ttft_s) + r.failed for r in runs)
     wall = sum(r.wall_s for r in runs)
@@ -483,9 +549,9 @@ def summarize(runs: Sequence[RunResult], baseline: Sequence[RunResult] | None = 
         "actuations": _sum_dicts([r.actuations for r in runs]),
         "guard": _sum_dicts([r.guard for r in runs]),
         "ci95": {
-            "ttft_mean_s": bootstrap_ci(ttft),
-            "ttft_p50_s": bootstrap_ci(ttft, _q(0.5), n_boot=500),
-            "ttft_p99_s": bootstrap_ci(ttft, _q(0.99), n_boot=500),
+            "ttft_mean_s": run_bootstrap_ci(by_run),
+            "ttft_p50_s": run_bootstrap_ci(by_run, _q(0.5), n_boot=500),
+            "ttft_p99_s": run_bootstrap_ci(by_run, _q(0.99), n_boot=500),
             "throughput_tokens_per_s": bootstrap_ci(tput),
             **{f: bootstrap_ci(v) for f, v in per_run.items()},
         },
@@ -493,7 +559,9 @@ def summarize(runs: Sequence[RunResult], baseline: Sequence[RunResult] | None = 
     if baseline:
         bt = [t for r in baseline for t in r.ttft_s]
         ratios: dict[str, Any] = {"ttft_mean_s": _ratio(ttft, bt)}
-        ci: dict[str, tuple[float, float]] = {"ttft_mean_s": bootstrap_ratio_ci(ttft, bt)}
+        ci: dict[str, tuple[float, float]] = {
+            "ttft_mean_s": run_bootstrap_ratio_ci(by_run, [r.ttft_s for r in baseline])
+        }
         for f in HIT_FIELDS:
             b = [r.counters.get(f, 0.0) for r in baseline]
             ratios[f] = _ratio(per_run[f], b)
