@@ -146,6 +146,11 @@ class KvIngestor:
                 )
             self.index_skipped += skipped
 
+    @property
+    def queued_ops(self) -> int:
+        """Index operations received and not applied yet."""
+        return len(self._q)
+
     def flushed_index(self) -> BlockIndex:
         """The index with every received event applied."""
         self.flush()

@@ -164,6 +164,7 @@ class CollectorSet:
                     engine=eng,
                     replay_timeout_s=settings.collectors.replay_timeout_s,
                     max_seq_gap=settings.collectors.max_seq_gap,
+                    flush_interval_s=settings.collectors.kv_flush_interval_s,
                     timeout_s=settings.collectors.http_timeout_s,
                     **kw,
                 )  # fmt: skip

@@ -191,6 +191,10 @@ class CollectorSettings(_Section):
     http_timeout_s: float = Field(
         default=5.0, ge=0.1, le=600, description="timeout of one HTTP call to a peer, s"
     )
+    kv_flush_interval_s: float = Field(
+        default=0.25, ge=0, le=60,
+        description="least time between block-index updates from KV events, s (0 = after every message)",
+    )  # fmt: skip
     replay_timeout_s: float = Field(
         default=2.0, ge=0.1, le=600, description="wait for a KV-event replay after a sequence gap, s"
     )
