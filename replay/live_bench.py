@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import shlex
 import subprocess
 import time
@@ -336,6 +337,7 @@ class RunResult:
     sent_at_s: list[float] = field(default_factory=list)
     first_token_at_s: list[float] = field(default_factory=list)
     started_perf_s: float = math.nan  # the run's start on time.perf_counter's clock
+    sidecar_cpu_s: float = math.nan  # CPU time (user + system) the bench's own sidecar used during the run
 
 
 async def _one(
@@ -544,6 +546,9 @@ def summarize(runs: Sequence[RunResult], baseline: Sequence[RunResult] | None = 
         "ttft_p99_s": float(np.quantile(a, 0.99)),
         "requests_per_s": n_req / wall if wall else math.nan,
         "throughput_tokens_per_s": tok / wall if wall else math.nan,
+        "sidecar_cpu_s_per_1k_requests": (
+            1000 * sum(r.sidecar_cpu_s for r in runs) / n_req if n_req and runs else math.nan
+        ),
         **{f: float(np.mean(v)) for f, v in per_run.items()},  # per run (mean over runs)
         "per_run": {f: v for f, v in per_run.items()},
         "actuations": _sum_dicts([r.actuations for r in runs]),
@@ -617,6 +622,7 @@ def render_table(arms: dict[str, dict[str, Any]]) -> Any:
         ("LMCache L2 hit tok", "l2_hit_tokens", "{:.0f}"),
         ("recomputed tok", "recomputed_tokens", "{:.0f}"),
         ("L2 prefetch chunks", "l2_prefetch_chunks", "{:.0f}"),
+        ("sidecar CPU s/1k req", "sidecar_cpu_s_per_1k_requests", "{:.2f}"),
     ]
     for label, key, fmt in rows:
         cells = []
@@ -665,6 +671,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) from ``/proc/<pid>/stat``; NaN where
+    there is no such file (not Linux, process gone). Why: on a host the engine shares, the sidecar's CPU is
+    its presence cost; the bench reports it beside the TTFT it may cost."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return math.nan
+    fields = stat[stat.rfind(")") + 2 :].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_bench(plan: BenchPlan, progress: Any = None) -> dict[str, Any]:
     """Interleaved runs of every arm; -> ``{"arms": {arm: summary}, "order": [...], ...}``."""
     order = interleave(plan.arms, plan.repeat)
@@ -687,7 +706,10 @@ def run_bench(plan: BenchPlan, progress: Any = None) -> dict[str, Any]:
             if progress is not None:
                 progress.update(task, description=f"run {i + 1}/{len(order)} {arm}")
             done = (lambda: progress.advance(task)) if progress else (lambda: None)
+            cpu0 = process_cpu_s(side.proc.pid) if side and side.proc else math.nan
             r = run_once(arm, t, plan.reqs, concurrency=plan.concurrency, on_done=done)
+            if side and side.proc:
+                r.sidecar_cpu_s = process_cpu_s(side.proc.pid) - cpu0
             runs[arm].append(r)
         finally:
             if side:

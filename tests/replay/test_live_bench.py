@@ -175,6 +175,26 @@ def test_summary_has_the_documented_json_shape() -> None:
     assert doc["arms"]["active"]["ratio_to_baseline"]["l1_hit_tokens"] == pytest.approx(135 / 105)
 
 
+def test_sidecar_cpu_is_read_from_proc_and_reported_per_thousand_requests() -> None:
+    """This process's CPU clock moves when it burns CPU; a pid that does not exist reads NaN; the summary
+    turns per-run sidecar CPU into seconds per 1,000 requests (NaN for the arm without a sidecar)."""
+    import os
+    import time
+
+    from kvtier.replay.live_bench import process_cpu_s
+
+    c0 = process_cpu_s(os.getpid())
+    t = time.process_time()
+    while time.process_time() - t < 0.3:
+        pass
+    assert process_cpu_s(os.getpid()) - c0 >= 0.2
+    assert math.isnan(process_cpu_s(2**22 + 1))  # above Linux's pid_max
+    runs = [_run("shadow", 1.0, [0.1, 0.1]), _run("shadow", 1.0, [0.1, 0.1, 0.1])]
+    runs[0].sidecar_cpu_s, runs[1].sidecar_cpu_s = 0.5, 1.0
+    assert summarize(runs)["sidecar_cpu_s_per_1k_requests"] == pytest.approx(300.0)
+    assert math.isnan(summarize([_run("baseline", 1.0, [0.1])])["sidecar_cpu_s_per_1k_requests"])
+
+
 def test_interleave_rotates_arm_order() -> None:
     assert interleave(["baseline", "active"], 3) == ["baseline", "active", "active", "baseline", "baseline",
                                                      "active"]  # fmt: skip
