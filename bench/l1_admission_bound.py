@@ -7,10 +7,11 @@ L2 hits only temporarily in L1, the 1 s watermark eviction loop; its default-pol
 stack's, docs/perf/calibration.md) over ``bench.live_ab``'s workload, and prints LMCache's L1 lookup-hit
 tokens per policy against the layer's default:
 
-- ``second-sight``: what the keeper does -- drop a chunk at its first sighting, load the prefix through it
-  back into L1 when a lookup next finds it in L2 (drops decided by :class:`AdmissionCore`, as in the keeper);
-- ``probation N``: a causal variant -- a first-sight chunk stays in L1 until N newer first-sight chunks
-  arrived, then is dropped unless it was seen again (the small FIFO of S3-FIFO), same readmission;
+- ``second-sight``: the keeper with ``probation_chunks: 0`` -- drop a chunk at its first sighting, load the
+  prefix through it back into L1 when a lookup next finds it in L2 (drops decided by :class:`AdmissionCore`);
+- ``probation N``: what the keeper does with ``probation_chunks: N`` -- a first-sight chunk stays in L1 until
+  N newer first-sight chunks arrived, then is dropped unless it was seen again (the small FIFO of S3-FIFO),
+  same readmission (:class:`AdmissionCore` with ``probation``, called as the keeper calls it);
 - ``oracle``: bypass exactly the chunks that are never used again (future knowledge): the ceiling of
   admission on this workload (no readmission needed).
 
@@ -27,7 +28,7 @@ Record: docs/perf/live_ab_lmcache_l1.md.
 from __future__ import annotations
 
 import argparse
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,9 +72,7 @@ def simulate(
     layer = make_layer(sc, offload=True)
     chains = [[int(x) for x in r.hash_ids] for r in reqs]
     nxt = next_use(chains) if policy == "oracle" else []
-    core = AdmissionCore(capacity=sc.tiers[1].capacity_blocks)
-    fifo: OrderedDict[int, None] = OrderedDict()  # probation: first-sight chunks in arrival order
-    seen: set[int] = set()
+    core = AdmissionCore(capacity=sc.tiers[1].capacity_blocks, probation=probation)
     dropped: set[int] = set()
     drops = readmits = 0
     for i, (r, chain) in enumerate(zip(reqs, chains, strict=True)):
@@ -87,14 +86,8 @@ def simulate(
         new = chain[found.hit_blocks :]
         if policy == "second-sight":
             victims = [int(str(k)) for k in core.observe(new)]
-        elif policy == "probation":
-            for b in chain:
-                if b in seen:
-                    fifo.pop(b, None)
-            fifo.update((b, None) for b in new if b not in seen)
-            victims = []
-            while len(fifo) > probation:
-                victims.append(fifo.popitem(last=False)[0])
+        elif policy == "probation":  # the keeper's call: the whole lookup, only this store's chunks droppable
+            victims = [int(str(k)) for k in core.observe(chain, droppable=set(new))]
         elif policy == "oracle":
             victims = [b for b in new if nxt[i][b] == NEVER]
         else:
@@ -103,7 +96,6 @@ def simulate(
             if layer.evict(b, Tier.CPU) == "":
                 dropped.add(b)
                 drops += 1
-        seen.update(chain)
     look = layer.layer_lookup_tokens
     name = f"probation {probation}" if policy == "probation" else policy
     return BoundRow(name, look.get("cpu", 0), look.get("disk", 0), drops, readmits)

@@ -2,14 +2,16 @@
 
 Fed every ``BlockStored`` event's chain (through the token store), it maps the event's newly completed
 vLLM blocks to LMCache chunk keys (LMCache's chunk hash over the whole token prefix, model *path*, kv_rank),
-asks :class:`~kvtier.policies.l1_admission.AdmissionCore` which are first sightings and, in active mode
-while the guard lets it, drops exactly those chunks from L1 (``DELETE /cache/objects`` tier ``l1``, each
-chunk by its own key -- never a prefix, so shared ancestors stay; the chunks due together go in one call)
-once their L2 copy is verified (never the last copy). A chunk whose L2 copy has not appeared after
-``verify_deadline_s`` is left alone (counted ``skipped``). When a dropped chunk is looked up again (its
-second sight), LMCache serves it from L2 through a temporary L1 copy it frees after the read; so the keeper
-admits it itself: one ``POST /cache/prefetches`` (L2 -> L1) of the prefix through that chunk, off the
-request path (counted ``l1_readmit``).
+asks :class:`~kvtier.policies.l1_admission.AdmissionCore` which to drop -- first-sight chunks whose
+probation (``probation_chunks`` newer first-sight chunks) ended before they were seen again, or with
+probation 0 every first-sight chunk ``delay_s`` after its store -- and, in active mode while the guard lets
+it, drops exactly those chunks from L1 (``DELETE /cache/objects`` tier ``l1``, each chunk by its own key --
+never a prefix, so shared ancestors stay; the chunks due together go in one call) once their L2 copy is
+verified (never the last copy; an unverified one is checked again every ``delay_s``). A chunk whose L2 copy
+has not appeared after ``verify_deadline_s`` is left alone (counted ``skipped``). When a dropped chunk is
+looked up again (its second sight), LMCache serves it from L2 through a temporary L1 copy it frees after the
+read; so the keeper admits it itself: one ``POST /cache/prefetches`` (L2 -> L1) of the prefix through that
+chunk, off the request path (counted ``l1_readmit``).
 
 What the layer can and cannot tell (reported in ``status()``): L2 residency per key is verified (``fs``
 files); L1 residency per key is not observable (LMCache MP exposes counts only), so the keeper never
@@ -102,6 +104,7 @@ class L1Keeper:
         capacity_chunks: int = 256,
         window: int = 512,
         delay_s: float = 0.5,
+        probation_chunks: int = 32,
         verify_deadline_s: float = 15.0,
         max_batch: int = 256,
         status_every_s: float = 2.0,
@@ -113,7 +116,9 @@ class L1Keeper:
         self.chain_tokens = chain_tokens
         self.is_active = is_active
         self.record = record
-        self.core = AdmissionCore(capacity_chunks, window=window, require_calibration=True)
+        self.core = AdmissionCore(
+            capacity_chunks, window=window, require_calibration=True, probation=probation_chunks
+        )
         self._core_lock = threading.Lock()  # observe (ingest thread) vs measure (worker)
         self.metrics = GuardMetrics(registry)
         self.metrics.acting.set(1)
@@ -180,10 +185,10 @@ class L1Keeper:
         if first_new >= len(keys):
             return
         accessed = keys[first_new:] if continues else keys
-        with self._core_lock:
-            drop = set(self.core.observe([k.chunk_hash_hex for k in accessed]))
+        with self._core_lock:  # only this store's chunks may be dropped; with probation, earlier stores' too
+            todo = [k for k in self.core.observe(accessed, droppable=set(keys[first_new:]))
+                    if isinstance(k, ObjectKey)]  # fmt: skip
             self._sync_guard()
-        todo = [k for k in keys[first_new:] if k.chunk_hash_hex in drop]
         # second sight of a chunk we dropped: LMCache serves it from L2 through a temporary L1 copy that it
         # frees after the read, so admission means loading the prefix into L1 ourselves
         back = [i for i, k in enumerate(accessed) if k.chunk_hash_hex in self._dropped]
@@ -196,10 +201,11 @@ class L1Keeper:
             self.counts["held_by_latency_guard"] += len(todo)
             return
         now = self.clock()
+        due = now if self.core.probation else now + self.delay_s  # probation already gave L2 its time
         with self._cv:
             for k in todo:
                 self._seq += 1
-                heapq.heappush(self._due, (now + self.delay_s, self._seq, now + self.verify_deadline_s, k))
+                heapq.heappush(self._due, (due, self._seq, now + self.verify_deadline_s, k))
             if back and self.core.acting:
                 last = back[-1] + (len(keys) - len(accessed))  # index in ``keys``
                 for i in back:

@@ -352,7 +352,16 @@ class LMCacheL1Settings(_Section):
         default=256, ge=1, description="L1 capacity the counterfactual assumes until /status reports one"
     )
     window: int = Field(default=512, ge=1, description="chunk sightings per guard window")
-    delay_s: float = Field(default=0.5, ge=0, description="wait after a store before its L1 drop, s")
+    probation_chunks: int = Field(
+        default=32, ge=0,
+        description="first-sight chunks that wait in L1 before the oldest not seen again is dropped; 0 = drop"
+        " each first-sight chunk delay_s after its store",
+    )  # fmt: skip
+    delay_s: float = Field(
+        default=0.5, ge=0,
+        description="with probation 0, wait after a store before its L1 drop; always the wait before"
+        " checking again for a chunk's L2 copy, s",
+    )  # fmt: skip
     verify_deadline_s: float = Field(
         default=15.0, gt=0, description="give up on a drop whose L2 copy has not appeared by then, s"
     )

@@ -11,6 +11,13 @@ L2 and the layer reloads them into L1 itself). In a trace-driven simulation of t
 distinct chunks this raises L1 hits by about a fifth; on a workload where every chunk is reused exactly once
 it loses everything -- hence the guard.
 
+Probation (``probation`` > 0, chunks): a first-sight chunk is not dropped at once but stays in L1 until
+``probation`` newer first-sight chunks have arrived, and is dropped then only if it was not seen again in
+the meantime (the small FIFO of S3-FIFO). Why: a chunk reused soon after its store (the next turn of a busy
+conversation) keeps its L1 hit, and the wait is counted in chunks, not seconds, so it does not stretch or
+shrink with the request rate -- a wait in seconds let first-sight chunks fill L1 at a fast pace (in the
+calibrated simulator, probation 16 gives +15 % L1 hits at 10 requests/s where dropping at once gives +2 %).
+
 Guard, two signals. (1) Simulated: every ``window`` observed chunk accesses the two simulated L1s' hit
 counts are compared. When admission lost more than ``margin`` (relative to the default's hits, and at least
 ``min_gap`` chunks) the guard trips: the sidecar stops acting (shadow) while both simulations keep running;
@@ -26,7 +33,7 @@ harm: the guard trips and holds shadow for a back-off of closed windows that dou
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Container, Hashable, Iterable
 from dataclasses import dataclass, field
 
 
@@ -72,12 +79,14 @@ class AdmissionCore:
     margin: float = 0.05
     min_gap: int = 8
     seen_max: int = 1 << 20
+    probation: int = 0  # first-sight chunks that wait in L1 before the oldest unseen-again one is dropped
     acting: bool = True  # False while the guard holds the sidecar in shadow
     trips: int = 0
     resumes: int = 0
     windows_closed: int = 0
     windows: list[GuardWindow] = field(default_factory=list)
     _seen: OrderedDict[Hashable, None] = field(default_factory=OrderedDict)
+    _probation: OrderedDict[Hashable, None] = field(default_factory=OrderedDict)  # first-sight, oldest first
     _default: _Lru = field(init=False)
     _admit: _Lru = field(init=False)
     _w_acc: int = 0
@@ -113,8 +122,14 @@ class AdmissionCore:
         """The layer's L1 capacity as observed (chunks); both simulations follow it."""
         self.capacity = self._default.capacity = self._admit.capacity = max(1, int(chunks))
 
-    def observe(self, keys: Iterable[Hashable]) -> list[Hashable]:
-        """Chunks the engine just stored, root first -> the first-sight ones (to drop from L1 when acting)."""
+    def observe(
+        self, keys: Iterable[Hashable], droppable: Container[Hashable] | None = None
+    ) -> list[Hashable]:
+        """Chunks a request looked up and stored, root first -> the chunks to drop from L1 now (when acting):
+        the first-sight ones (``probation`` 0), or those whose probation just ended unseen again.
+
+        ``droppable``: the chunks this store wrote (default: all of ``keys``). A first-sight chunk outside
+        it (a prefix the layer had before the sidecar saw it) is never dropped: both simulations admit it."""
         drop: list[Hashable] = []
         for k in keys:
             self._w_acc += 1
@@ -126,17 +141,26 @@ class AdmissionCore:
                 self.total_admission_hits += 1
             self._default.touch(k)
             first = k not in self._seen
-            if first:
-                self._admit.discard(k)
-                drop.append(k)
+            if first and (droppable is None or k in droppable):
+                if self.probation > 0:
+                    self._admit.touch(k)  # in L1 while on probation
+                    self._probation[k] = None
+                else:
+                    self._admit.discard(k)
+                    drop.append(k)
             else:
                 self._admit.touch(k)
+                self._probation.pop(k, None)  # seen again while on probation: it stays
             self._seen[k] = None
             self._seen.move_to_end(k)
             if len(self._seen) > self.seen_max:
                 self._seen.popitem(last=False)
             if self._w_acc >= self.window:
                 self._close_window()
+        while len(self._probation) > self.probation:
+            k, _ = self._probation.popitem(last=False)
+            self._admit.discard(k)
+            drop.append(k)
         return drop if self.acting else []
 
     def _close_window(self) -> None:

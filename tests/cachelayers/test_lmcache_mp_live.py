@@ -318,7 +318,7 @@ def test_keeper_drops_a_prompts_first_sight_chunks_in_one_call_and_keeps_their_l
 
     act.caller.request = spy  # type: ignore[method-assign,assignment]
     keeper = L1Keeper(act, chain_tokens=lambda _h: tuple(toks), is_active=lambda: True,
-                      registry=CollectorRegistry(), delay_s=0.0)  # fmt: skip
+                      registry=CollectorRegistry(), delay_s=0.0, probation_chunks=0)  # fmt: skip
     keeper.core.require_calibration = False
     keeper.core.acting = True  # the guard's calibration is the live A/B's subject, not this test's
     rig.ask("P cold (stored into L1 and L2)", p)
@@ -336,3 +336,33 @@ def test_keeper_drops_a_prompts_first_sight_chunks_in_one_call_and_keeps_their_l
     rig.flush_vllm()
     d = rig.ask("P after the keeper's drops", p)
     assert d["l1"] == 0 and d["l2"] == n_chunk_tokens and d["ext"] == n_chunk_tokens, d
+
+
+def test_keeper_on_probation_drops_the_oldest_first_sight_chunks_and_keeps_the_newest_in_l1(rig: Rig) -> None:
+    """Probation on the real layer: of a prompt's first-sight chunks, all but the ``probation_chunks``
+    newest leave L1 (their L2 copies stay); the prompt's next look-up finds every chunk, the dropped ones in
+    L2, none lost."""
+    from kvtier.controller.l1_keeper import L1Keeper
+    from tests.peers.sidecar import wait_for
+
+    p = text(22, 150)
+    toks = rig.tokens(p)
+    n_chunks = len(toks) // 64
+    assert n_chunks > 2
+    act = LMCacheMPActuator(HttpCaller(rig.server.url, timeout_s=10.0), model_name=rig.vllm.model_path)
+    keeper = L1Keeper(act, chain_tokens=lambda _h: tuple(toks), is_active=lambda: True,
+                      registry=CollectorRegistry(), delay_s=0.05, probation_chunks=2)  # fmt: skip
+    keeper.core.require_calibration = False
+    keeper.core.acting = True
+    rig.ask("Q cold (stored into L1 and L2)", p)
+    keeper.start()
+    try:
+        keeper.on_block_stored(None, 1, len(toks) // 32, 32)
+        wait_for(lambda: keeper.counts["applied"] + keeper.counts["skipped"] >= n_chunks - 2, 30.0, "drops")
+    finally:
+        keeper.stop()
+    assert keeper.counts["applied"] == n_chunks - 2 and keeper.counts["failed"] == 0, keeper.counts
+    rig.flush_vllm()
+    d = rig.ask("Q after the keeper's drops", p)
+    assert d["l2"] >= (n_chunks - 2) * 64 and d["l1"] + d["l2"] == n_chunks * 64, d
+    assert d["ext"] == n_chunks * 64, d

@@ -28,6 +28,38 @@ def test_first_sight_chunks_are_dropped_second_sight_kept() -> None:
     assert c.observe(["a", "c"]) == ["c"]
 
 
+def test_probation_drops_first_sight_chunks_only_after_n_newer_ones_and_keeps_those_seen_again() -> None:
+    c = AdmissionCore(100, probation=2)
+    assert c.observe(["a", "b"]) == []  # on probation: a, b
+    assert c.observe(["a", "c", "d"]) == ["b"]  # a seen again (kept for good); c, d push b out
+    assert c.observe(["e"]) == ["c"]
+    assert c.observe(["a", "f", "g", "h"]) == ["d", "e", "f"]  # a never; the rest in arrival order
+    assert "a" not in c.observe(list("ijklmn"))
+
+
+def test_probation_drops_only_chunks_the_store_wrote() -> None:
+    """A first-sight chunk outside ``droppable`` (a prefix the layer had before the sidecar saw it) is
+    admitted in both simulations and never returned; with probation 0 droppable chunks go at once."""
+    assert AdmissionCore(10).observe(["p", "x", "y"], droppable={"x", "y"}) == ["x", "y"]
+    c = AdmissionCore(10, probation=1)
+    assert c.observe(["p", "x", "y"], droppable={"x", "y"}) == ["x"]
+    assert c.observe(["p", "z"], droppable={"z"}) == ["y"]
+    assert c.total_admission_hits == c.total_default_hits == 1  # p hit in both simulated L1s
+
+
+def test_probation_keeps_a_chunk_reused_soon_after_its_store_where_second_sight_loses_it() -> None:
+    """Each prompt's chunks come back with the very next prompt, then never: dropping at first sight loses
+    every one of those hits in the simulated admission L1, a probation longer than a prompt keeps them."""
+    at_once, probation = AdmissionCore(64, window=10**6), AdmissionCore(64, window=10**6, probation=16)
+    for i in range(100):
+        prompt = list(range(i * 8, i * 8 + 8))
+        for c in (at_once, probation):
+            c.observe(prompt)
+            c.observe(prompt)
+    assert at_once.total_admission_hits == 0
+    assert probation.total_admission_hits == probation.total_default_hits == 800
+
+
 def test_guard_trips_when_every_chunk_comes_back_exactly_once_and_resumes() -> None:
     c = AdmissionCore(64, window=128)
     base = 0
