@@ -222,8 +222,12 @@ class AdmissionCore:
             ratio = real / sim_d
             self.k = ratio if self.k is None else (1 - self.k_alpha) * self.k + self.k_alpha * ratio
             self.calibrations += 1
+            harmful = bool(self.windows) and self.windows[-1].verdict == "harmful"
             if self.require_calibration and self.calibrations == self.calib_periods and self._hold <= 0:
-                self._set_acting(True)  # calibrated: start acting (the simulated guard judges from here)
+                # calibrated: start acting, unless the simulation's last window says admission loses here
+                # (then a simulated "pays" window resumes it, as after a trip)
+                if not harmful:
+                    self._set_acting(True)
                 self._m_acting, self._m_mixed = self.acting and layer_active, False
             return self._period("calibrated", real, sim_d, sim_a)
         if self.k is None:

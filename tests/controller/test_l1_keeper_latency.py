@@ -56,7 +56,8 @@ def test_a_keeper_whose_acting_costs_ttft_is_held_in_shadow_and_drops_nothing_wh
         reg = CollectorRegistry()
         toks = tuple(range(256))  # 4 chunks
         keeper = L1Keeper(act, chain_tokens=lambda _h: toks, is_active=lambda: True, registry=reg,
-                          measure_every_s=10.0, engine_ttft=reader, clock=lambda: now[0])  # fmt: skip
+                          measure_every_s=10.0, engine_ttft=reader, clock=lambda: now[0],
+                          probation_chunks=0)  # fmt: skip
         keeper.core.require_calibration = False
         keeper.core.acting = True  # the L1 guard is not this test's subject
         assert keeper.latency is not None

@@ -113,6 +113,27 @@ def test_measured_guard_calibrates_on_default_periods_before_acting() -> None:
     assert c.observe([10**7]) == [10**7]  # acting now: a first sight is dropped
 
 
+def test_calibration_does_not_start_acting_where_the_simulation_says_admission_loses() -> None:
+    """Every prompt comes back once, four prompts later (admission loses every hit): calibrated, the keeper
+    stays in shadow; when the workload turns to one where admission pays, a simulated window resumes it."""
+    c = AdmissionCore(128, window=128, require_calibration=True)
+    real = 0.0
+    assert c.measure(real) == "start"
+    for period in range(2):
+        d0 = c.total_default_hits
+        for i in range(period * 60, period * 60 + 60):
+            c.observe(list(range(i * 8, i * 8 + 8)))
+            if i >= 4:
+                c.observe(list(range((i - 4) * 8, (i - 4) * 8 + 8)))
+        real += c.total_default_hits - d0
+        assert c.measure(real) == "calibrated"
+    assert c.windows[-1].verdict == "harmful"
+    assert c.calibrations == 2 and not c.acting and c.resumes == 0
+    c.set_capacity(24)
+    _scan_plus_hot(c, 400)
+    assert c.acting and c.resumes >= 1
+
+
 def test_measured_guard_keeps_acting_while_the_real_counter_pays() -> None:
     c, real = _calibrated()
     d0 = c.total_default_hits
