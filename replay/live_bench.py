@@ -174,10 +174,15 @@ def bootstrap_ratio_ci(
         den = stat(y[rng.integers(0, y.size, y.size)])
         num = stat(x[rng.integers(0, x.size, x.size)])
         ratios[i] = num / den if den else math.nan
-    ratios = ratios[np.isfinite(ratios)]
-    if ratios.size == 0:
+    return _percentiles(ratios, alpha)
+
+
+def _percentiles(boots: np.ndarray, alpha: float) -> tuple[float, float]:
+    """``(lo, hi)``: the ``alpha/2`` and ``1 - alpha/2`` quantiles of the finite bootstrap values."""
+    boots = boots[np.isfinite(boots)]
+    if boots.size == 0:
         return (math.nan, math.nan)
-    lo, hi = np.quantile(ratios, [alpha / 2, 1 - alpha / 2])
+    lo, hi = np.quantile(boots, [alpha / 2, 1 - alpha / 2])
     return (float(lo), float(hi))
 
 
@@ -211,9 +216,7 @@ def run_bootstrap_ci(
     if len(rs) == 1:
         return bootstrap_ci(rs[0], stat, n_boot=n_boot, alpha=alpha, seed=seed)
     rng = np.random.default_rng(seed)
-    boots = np.array([stat(_two_stage(rs, rng)) for _ in range(n_boot)])
-    lo, hi = np.quantile(boots, [alpha / 2, 1 - alpha / 2])
-    return (float(lo), float(hi))
+    return _percentiles(np.array([stat(_two_stage(rs, rng)) for _ in range(n_boot)]), alpha)
 
 
 def run_bootstrap_ratio_ci(
@@ -238,11 +241,7 @@ def run_bootstrap_ratio_ci(
         den = stat(_two_stage(xb, rng))
         num = stat(_two_stage(xa, rng))
         ratios[i] = num / den if den else math.nan
-    ratios = ratios[np.isfinite(ratios)]
-    if ratios.size == 0:
-        return (math.nan, math.nan)
-    lo, hi = np.quantile(ratios, [alpha / 2, 1 - alpha / 2])
-    return (float(lo), float(hi))
+    return _percentiles(ratios, alpha)
 
 
 def _q(p: float) -> Callable[[np.ndarray], float]:

@@ -32,6 +32,19 @@ def frames(n: int, chain: int, seed: int = 0) -> list[list[bytes]]:
     return out
 
 
+async def close_subscriber(
+    task: asyncio.Task[None], pub: zmq.asyncio.Socket, sub: KvEventSubscriber, client: httpx.AsyncClient,
+    ctx: zmq.asyncio.Context,
+) -> None:  # fmt: skip
+    """Cancel the receive loop and close the publisher, the subscriber, its HTTP client and the context."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    pub.close(linger=0)
+    await sub.aclose()
+    await client.aclose()
+    ctx.term()
+
+
 async def _flood(
     batches: list[list[bytes]], ing: KvIngestor, stop_after: int
 ) -> tuple[KvEventSubscriber, float, float]:

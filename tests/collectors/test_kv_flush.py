@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from kvtier.collectors.kv_ingest import KvIngestor
 from kvtier.collectors.vllm_kv_subscriber import KvEventSubscriber, KvSource
 from kvtier.policies.index import BlockIndex
-from tests.collectors.test_kv_flood import TOPIC, frames
+from tests.collectors.test_kv_flood import TOPIC, close_subscriber, frames
 
 
 class CountingIngestor(KvIngestor):
@@ -53,12 +53,7 @@ async def _paced(interval_s: float, n: int = 20, gap_s: float = 0.01) -> tuple[C
         assert loop.time() < deadline and not task.done(), (len(ing.index), ing.queued_ops)
         await asyncio.sleep(0.01)  # polling interval of a condition with a deadline
     seen = ing.flushes
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    pub.close(linger=0)
-    await sub.aclose()
-    await client.aclose()
-    ctx.term()
+    await close_subscriber(task, pub, sub, client, ctx)
     return ing, seen
 
 

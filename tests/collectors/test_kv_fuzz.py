@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry
 from kvtier.collectors.kv_ingest import KvIngestor
 from kvtier.collectors.vllm_kv_subscriber import KvEventSubscriber, KvSource
 from kvtier.policies.tiers import Tier
+from tests.collectors.test_kv_flood import close_subscriber
 
 SEED = 20250611
 N_BAD = 3000  # bad frames (plus bad events inside good batches)
@@ -365,12 +366,7 @@ async def _run(sc: Scenario) -> tuple[KvEventSubscriber, float, dict[str, Any]]:
         total = reg.get_sample_value("kvtier_collector_errors_total", {"collector": sub.name})
         return sub, float(total or 0), sub.status()["sources"][0]
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        pub.close(linger=0)
-        await sub.aclose()
-        await client.aclose()
-        ctx.term()
+        await close_subscriber(task, pub, sub, client, ctx)
 
 
 def test_fuzzed_frames_counted_nothing_crashes_good_events_exact(caplog: pytest.LogCaptureFixture) -> None:
