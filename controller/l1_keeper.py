@@ -346,6 +346,8 @@ class L1Keeper:
                 self.metrics.k.set(self.core.k)
             if verdict == "harmful":
                 log.warning("guard: LMCache's L1 hits fell below the default's (measured); shadow")
+            elif verdict == "calibrated" and not self.core.acting and self.core.trips > self._synced[0]:
+                log.warning("guard: calibrated, but the simulated L1s say admission loses here; shadow")
             self._sync_guard()
 
     def _handle(self, items: Sequence[tuple[float, int, float, ObjectKey | tuple[int, ...]]]) -> None:

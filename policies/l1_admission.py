@@ -225,9 +225,11 @@ class AdmissionCore:
             harmful = bool(self.windows) and self.windows[-1].verdict == "harmful"
             if self.require_calibration and self.calibrations == self.calib_periods and self._hold <= 0:
                 # calibrated: start acting, unless the simulation's last window says admission loses here
-                # (then a simulated "pays" window resumes it, as after a trip)
+                # (a trip: a simulated "pays" window resumes it)
                 if not harmful:
                     self._set_acting(True)
+                else:  # the guard's verdict, counted as its fall-back to shadow
+                    self.trips += 1
                 self._m_acting, self._m_mixed = self.acting and layer_active, False
             return self._period("calibrated", real, sim_d, sim_a)
         if self.k is None:

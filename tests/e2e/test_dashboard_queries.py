@@ -59,8 +59,10 @@ LATE_COUNTERS = (
     "lmcache_mp_l2_prefetch_load_completed_chunks_total",
 )
 PENDING: set[str] = set()  # all landed: controller metrics (control) and tier figures (kvtier demo)
-# Grafana's $__rate_interval for this run: long enough to span the whole traffic phase.
-VARS = {"__rate_interval": "2m"}
+# Grafana's $__rate_interval for this run: long enough to span the whole traffic phase and the waits after
+# it (the cold-read wait alone may take 2 minutes on a loaded host; a 2m window then held no lookups, and the
+# lookup hit ratio was 0/0).
+VARS = {"__rate_interval": "10m"}
 
 
 @dataclass

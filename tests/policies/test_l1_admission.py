@@ -128,7 +128,7 @@ def test_calibration_does_not_start_acting_where_the_simulation_says_admission_l
         real += c.total_default_hits - d0
         assert c.measure(real) == "calibrated"
     assert c.windows[-1].verdict == "harmful"
-    assert c.calibrations == 2 and not c.acting and c.resumes == 0
+    assert c.calibrations == 2 and not c.acting and c.trips == 1 and c.resumes == 0
     c.set_capacity(24)
     _scan_plus_hot(c, 400)
     assert c.acting and c.resumes >= 1
