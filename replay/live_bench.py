@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import shlex
 import subprocess
 import time
@@ -336,7 +335,7 @@ class RunResult:
     sent_at_s: list[float] = field(default_factory=list)
     first_token_at_s: list[float] = field(default_factory=list)
     started_perf_s: float = math.nan  # the run's start on time.perf_counter's clock
-    sidecar_cpu_s: float = math.nan  # CPU time (user + system) the bench's own sidecar used during the run
+    sidecar_cpu_s: float = math.nan  # CPU seconds the sidecar used during the run (its process_cpu_seconds)
 
 
 async def _one(
@@ -485,7 +484,7 @@ def run_once(
     eng0 = scrape_counters(target.engine_url)
     lmc0 = scrape_counters(target.lmcache_url) if target.lmcache_url else {}
     act0 = scrape_labelled(target.sidecar_url, "kvtier_actuations_total") if target.sidecar_url else {}
-    g0 = _guard_counters(target.sidecar_url)
+    g0 = _sidecar_counters(target.sidecar_url)
     times: list[tuple[float, float]] = []
     start: list[float] = []
     ttfts, failed, wall = asyncio.run(send_all(target.engine_url, target.model, reqs, concurrency=concurrency,
@@ -493,7 +492,8 @@ def run_once(
     eng1 = scrape_counters(target.engine_url)
     lmc1 = scrape_counters(target.lmcache_url) if target.lmcache_url else {}
     act1 = scrape_labelled(target.sidecar_url, "kvtier_actuations_total") if target.sidecar_url else {}
-    g1 = _guard_counters(target.sidecar_url)
+    g1 = _sidecar_counters(target.sidecar_url)
+    cpu_s = g1.pop(CPU, math.nan) - g0.pop(CPU, math.nan)
     return RunResult(
         arm=arm,
         ttft_s=ttfts,
@@ -506,14 +506,21 @@ def run_once(
         sent_at_s=[a for a, _ in times],
         first_token_at_s=[b for _, b in times],
         started_perf_s=start[0] if start else math.nan,
+        sidecar_cpu_s=cpu_s,
     )
 
 
-def _guard_counters(url: str | None) -> dict[str, float]:
+CPU = "process_cpu_seconds_total"  # the sidecar's own CPU (prometheus_client's process collector)
+
+
+def _sidecar_counters(url: str | None) -> dict[str, float]:
+    """The sidecar's guard counters and its process CPU seconds (``CPU``; NaN when not exported); {} without
+    a sidecar. Why the CPU: on a host the engine shares, it is the sidecar's presence cost."""
     if not url:
         return {}
     c = scrape_counters(url)
     out = {k: v for k, v in c.items() if k.startswith("kvtier_guard_") and k.endswith("_total")}
+    out[CPU] = c.get(CPU, math.nan)
     for name, label in (("kvtier_guard_windows_total", "verdict"), ("kvtier_guard_measured_periods_total",
                         "verdict"), ("kvtier_guard_latency_periods_total", "why")):  # fmt: skip
         for k, v in scrape_labelled(url, name, label=label).items():
@@ -670,19 +677,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads) from ``/proc/<pid>/stat``; NaN where
-    there is no such file (not Linux, process gone). Why: on a host the engine shares, the sidecar's CPU is
-    its presence cost; the bench reports it beside the TTFT it may cost."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            stat = fh.read()
-    except OSError:
-        return math.nan
-    fields = stat[stat.rfind(")") + 2 :].split()  # after the command name, which may hold spaces
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def run_bench(plan: BenchPlan, progress: Any = None) -> dict[str, Any]:
     """Interleaved runs of every arm; -> ``{"arms": {arm: summary}, "order": [...], ...}``."""
     order = interleave(plan.arms, plan.repeat)
@@ -705,10 +699,7 @@ def run_bench(plan: BenchPlan, progress: Any = None) -> dict[str, Any]:
             if progress is not None:
                 progress.update(task, description=f"run {i + 1}/{len(order)} {arm}")
             done = (lambda: progress.advance(task)) if progress else (lambda: None)
-            cpu0 = process_cpu_s(side.proc.pid) if side and side.proc else math.nan
             r = run_once(arm, t, plan.reqs, concurrency=plan.concurrency, on_done=done)
-            if side and side.proc:
-                r.sidecar_cpu_s = process_cpu_s(side.proc.pid) - cpu0
             runs[arm].append(r)
         finally:
             if side:

@@ -175,20 +175,35 @@ def test_summary_has_the_documented_json_shape() -> None:
     assert doc["arms"]["active"]["ratio_to_baseline"]["l1_hit_tokens"] == pytest.approx(135 / 105)
 
 
-def test_sidecar_cpu_is_read_from_proc_and_reported_per_thousand_requests() -> None:
-    """This process's CPU clock moves when it burns CPU; a pid that does not exist reads NaN; the summary
-    turns per-run sidecar CPU into seconds per 1,000 requests (NaN for the arm without a sidecar)."""
-    import os
+def test_sidecar_cpu_is_read_from_its_metrics_and_reported_per_thousand_requests() -> None:
+    """The sidecar's registry (real HTTP): its process CPU seconds move when the process burns CPU, beside
+    its guard counters; no sidecar, no figures. The summary turns per-run sidecar CPU into seconds per
+    1,000 requests (NaN for the arm without a sidecar)."""
     import time
 
-    from kvtier.replay.live_bench import process_cpu_s
+    from prometheus_client import CollectorRegistry, Counter, start_http_server
 
-    c0 = process_cpu_s(os.getpid())
-    t = time.process_time()
-    while time.process_time() - t < 0.3:
-        pass
-    assert process_cpu_s(os.getpid()) - c0 >= 0.2
-    assert math.isnan(process_cpu_s(2**22 + 1))  # above Linux's pid_max
+    from kvtier.controller.build_info import register_build_info
+    from kvtier.replay.live_bench import CPU, _sidecar_counters
+    from tests.peers.procs import free_port
+
+    reg = CollectorRegistry()
+    register_build_info(reg)  # what the sidecar exports, process CPU included
+    Counter("kvtier_guard_trips", "trips", registry=reg).inc()
+    port = free_port()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=reg)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        c0 = _sidecar_counters(url)
+        t = time.process_time()
+        while time.process_time() - t < 0.3:
+            pass
+        c1 = _sidecar_counters(url)
+    finally:
+        server.shutdown()
+        thread.join()
+    assert c1[CPU] - c0[CPU] >= 0.2 and c1["kvtier_guard_trips_total"] == 1.0
+    assert _sidecar_counters(None) == {}
     runs = [_run("shadow", 1.0, [0.1, 0.1]), _run("shadow", 1.0, [0.1, 0.1, 0.1])]
     runs[0].sidecar_cpu_s, runs[1].sidecar_cpu_s = 0.5, 1.0
     assert summarize(runs)["sidecar_cpu_s_per_1k_requests"] == pytest.approx(300.0)
