@@ -301,7 +301,7 @@ class CacheLayer:
         if self.bh.l2_loads_stage_in_l1 and self.lower:
             l1 = self.t[self.lower[0]]
             below = [k for k, t in enumerate(found) if t is not l1.hw.tier]
-            if len(below) > l1.hw.capacity_blocks - len(l1.lru):
+            if below and len(below) > l1.hw.capacity_blocks - len(l1.lru):
                 self.l2_staging_failures += len(below)
                 del found[below[0] :]
         return found
@@ -354,6 +354,8 @@ class CacheLayer:
         src = next((t for t in self.order if t.rank > to.rank and b in self.t[t].lru), None)
         if src is None:
             return "not present"
+        if self._watermarked(to) and len(self.t[to].lru) >= self.t[to].hw.capacity_blocks:
+            return "tier full"  # the copy's allocation fails, as a store's does (LMCache MP L1)
         e = self._copy(src, to, [b], max(self.now, self.t[src].lru[b]))
         self._put(to, b, None, e)
         return ""

@@ -187,6 +187,19 @@ def test_l2_hits_need_l1_staging_room_all_or_nothing() -> None:
     assert run(True) == ([Tier.CPU, None, None, None], 2)
 
 
+def test_a_promote_into_a_full_watermarked_l1_is_refused_and_lookups_go_on() -> None:
+    """A copy into L1 allocates there as a store does: at capacity (before the loop trims) it fails, so L1
+    never holds more than its capacity, and the staging check of the next lookup sees no negative room."""
+    bh = LayerBehaviour(l1_watermark=0.8, l2_loads_stage_in_l1=True, retain_l2_hits=False)
+    layer = CacheLayer(_tiers(gpu=1, cpu=10, disk=100), BB, behaviour=bh, l1_loop_first_s=100.0)
+    _serve(layer, [1, 2])
+    layer.evict(2, Tier.CPU)
+    for b in range(10, 19):
+        _serve(layer, [b])  # L1 full: 10 of 10
+    assert layer.promote(2, Tier.CPU) == "tier full" and layer.resident(Tier.CPU) == 10
+    assert _serve(layer, [1, 2]) == [Tier.CPU, None]  # 2 is in L2, no L1 room to stage it
+
+
 def test_the_l1_loop_runs_at_the_given_phase() -> None:
     bh = LayerBehaviour(l1_watermark=0.8, l1_eviction_ratio=0.5, l1_eviction_interval_s=1.0)
     for first, trimmed in ((0.3, 4), (None, 0)):
