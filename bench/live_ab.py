@@ -12,6 +12,11 @@ admission loses; the guard must put the sidecar back in shadow).
 
     . /work/main/.peers/env.sh   # KVTIER_LMCACHE_PYTHON, KVTIER_VLLM_PYTHON, KVTIER_TINY_MODEL
     python -m bench.live_ab --workload bundled --requests 1000 --repeat 3 --json ab.json
+
+``--model DIR`` serves another local model (e.g. ``scripts/make_tiny_model.py DIR --hidden 512 --layers 8``,
+whose prefill costs ~0.15 ms per token here against ~0.02 for the default): with it, size L1 in chunks
+(``--l1-chunks 458``), which converts through the model's KV bytes per chunk, so the cache holds the same
+share of the workload whatever the model.
 """
 
 from __future__ import annotations
@@ -79,8 +84,8 @@ def load_workload(spec: str, n: int) -> list[Request]:
 class ManagedStack:
     """Fresh LMCache MP + vLLM per run (tests/peers recipes), torn down after it."""
 
-    def __init__(self, root: Path, l1_gb: float, gpu_blocks: int) -> None:
-        self.root, self.l1_gb, self.gpu_blocks = root, l1_gb, gpu_blocks
+    def __init__(self, root: Path, l1_gb: float, gpu_blocks: int, model: str | None = None) -> None:
+        self.root, self.l1_gb, self.gpu_blocks, self.model = root, l1_gb, gpu_blocks, model
         self.lmc: Any = None
         self.vllm: Any = None
         self.target: Target | None = None
@@ -101,6 +106,7 @@ class ManagedStack:
             },
         }
         self.vllm = vllm_peer.start(
+            self.model,
             extra_args=["--kv-transfer-config", json.dumps(kvt)],
             num_gpu_blocks=self.gpu_blocks,
             workdir=wd / "vllm",
@@ -128,6 +134,7 @@ def run_ab(
     l1_gb: float = 0.028,
     gpu_blocks: int = 96,
     concurrency: int = 1,
+    model: str | None = None,
     root: Path | None = None,
     progress: Any = None,
     sidecar_extra: Sequence[str] = (),
@@ -137,7 +144,7 @@ def run_ab(
     reqs = build_requests(trace, chunk=CHUNK, vocab=512, max_prompt_tokens=MAX_PROMPT, max_tokens=2)
     owns = root is None
     tmp = Path(root or tempfile.mkdtemp(prefix="kvtier-ab-"))
-    stack = ManagedStack(tmp, l1_gb, gpu_blocks)
+    stack = ManagedStack(tmp, l1_gb, gpu_blocks, model)
     holder: dict[str, Target] = {}
 
     holder_i: dict[str, int] = {}
@@ -176,8 +183,18 @@ def run_ab(
         "prompt_tokens": sum(len(r.prompt) for r in reqs),
         "l1_gb": l1_gb,
         "gpu_blocks": gpu_blocks,
+        "model": model or "default",
     }
     return out
+
+
+def kv_bytes_per_chunk(model_dir: str | Path, chunk_tokens: int = CHUNK, dtype_bytes: int = 2) -> int:
+    """Bytes of K and V for one chunk of a Llama-style model (its ``config.json``), as LMCache stores it."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    return 2 * int(cfg["num_hidden_layers"]) * kv_heads * head_dim * dtype_bytes * chunk_tokens
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -186,7 +203,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--arms", default="baseline,active")
-    ap.add_argument("--l1-gb", type=float, default=0.028)
+    ap.add_argument("--l1-gb", type=float, default=0.028, help="LMCache L1 size (GiB)")
+    ap.add_argument("--l1-chunks", type=int, default=None,
+                    help="LMCache L1 size in chunks of the served model (overrides --l1-gb)")  # fmt: skip
+    ap.add_argument("--model", default=None, help="local model directory (default: KVTIER_TINY_MODEL)")
     ap.add_argument("--gpu-blocks", type=int, default=96)
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
@@ -194,13 +214,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="one more argument for every sidecar arm's `kvtier serve` (repeatable), "
                          "e.g. --sidecar-arg=--config --sidecar-arg=keeper.yaml")  # fmt: skip
     a = ap.parse_args(argv)
+    if a.l1_chunks is not None:
+        from tests.peers.vllm import tiny_model
+
+        a.l1_gb = round(a.l1_chunks * kv_bytes_per_chunk(a.model or tiny_model()) / 2**30, 4)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*cols, console=Console(stderr=True), transient=True) as prog:
         out = run_ab(a.workload, a.requests, arms=a.arms.split(","), repeat=a.repeat, l1_gb=a.l1_gb,
-                     gpu_blocks=a.gpu_blocks, concurrency=a.concurrency, progress=prog,
+                     gpu_blocks=a.gpu_blocks, concurrency=a.concurrency, model=a.model, progress=prog,
                      sidecar_extra=a.sidecar_arg)  # fmt: skip
     Console().print(render_table(out["arms"]))
     print(json.dumps(out["workload"]))
