@@ -18,7 +18,9 @@ tokens per policy against the layer's default:
   reuse. An online, causal estimate of the chance that a request's chain is continued (a later prompt
   extends it) by the chain's age in requests (:class:`AgeHazard`) ranks the live chains; the best ones, up
   to B chunks, are kept loaded in L1 and those that fall out are dropped again. Not a keeper option: it is
-  here to measure whether the prefetch lever pays on a workload (docs/perf/live_ab_lmcache_l1.md).
+  here to measure whether the prefetch lever pays on a workload (docs/perf/live_ab_lmcache_l1.md);
+  ``oracle-prefetch`` (printed with it) is its ceiling: probation 32 plus each prompt's chunks loaded from
+  L2 just before the prompt comes (future knowledge).
 
 It also prints what the oracle knows that a causal policy would need: the reuse rate of first-sight chunks
 by the features the layer sees at store time (position in the prompt, prefix hit depth). Flat rates mean
@@ -143,11 +145,12 @@ def simulate(
     prefetch_budget: int = 0,
     by_turn: bool = False,
 ) -> BoundRow:
-    """``policy`` in ``default``, ``second-sight``, ``probation``, ``oracle``, ``hazard`` (module doc)."""
+    """``policy`` in ``default``, ``second-sight``, ``probation``, ``oracle``, ``hazard``,
+    ``oracle-prefetch`` (see the module doc)."""
     layer = make_layer(sc, offload=True)
     chains = [[int(x) for x in r.hash_ids] for r in reqs]
     nxt = next_use(chains) if policy == "oracle" else []
-    if policy == "hazard":
+    if policy in ("hazard", "oracle-prefetch"):
         probation = 32
     core = AdmissionCore(capacity=sc.tiers[1].capacity_blocks, probation=probation)
     hazard = AgeHazard(by_turn=by_turn)
@@ -156,6 +159,8 @@ def simulate(
     drops = readmits = 0
     for i, (r, chain) in enumerate(zip(reqs, chains, strict=True)):
         layer.now = i * pace_s
+        if policy == "oracle-prefetch":  # future knowledge: this prompt's chunks, loaded just before it
+            readmits += sum(layer.promote(b, Tier.CPU) == "" for b in chain)
         found = layer.lookup(chain, r.input_length, r.block_tokens)
         for k, b in enumerate(chain):  # second sight of a dropped chunk, found in L2: reload its prefix
             if b in dropped and found.tiers[k] is Tier.DISK:
@@ -165,7 +170,7 @@ def simulate(
         new = chain[found.hit_blocks :]
         if policy == "second-sight":
             victims = [int(str(k)) for k in core.observe(new)]
-        elif policy in ("probation", "hazard"):  # the keeper's call: the whole lookup, this store droppable
+        elif policy in ("probation", "hazard", "oracle-prefetch"):  # the keeper's call; this store droppable
             victims = [int(str(k)) for k in core.observe(chain, droppable=set(new))]
         elif policy == "oracle":
             victims = [b for b in new if nxt[i][b] == NEVER]
@@ -227,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows += [simulate(sc, reqs, "probation", probation=int(p), pace_s=a.pace) for p in a.probation.split(",")]
     budgets = [int(b) for b in a.prefetch_budgets.split(",") if b]
     rows += [simulate(sc, reqs, "hazard", prefetch_budget=b, pace_s=a.pace) for b in budgets]
+    if budgets:
+        rows.append(simulate(sc, reqs, "oracle-prefetch", pace_s=a.pace))
     rows.append(simulate(sc, reqs, "oracle", pace_s=a.pace))
     base = max(1, rows[0].l1_hit_tokens)
     print(f"{a.workload}, {len(reqs)} requests, L1 {sc.tiers[1].capacity_blocks} chunks, pace {a.pace} s")

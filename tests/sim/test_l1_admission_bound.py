@@ -30,7 +30,7 @@ def test_oracle_bypasses_only_chunks_never_used_again() -> None:
     assert second.l1_hit_tokens < default.l1_hit_tokens
 
 
-@pytest.mark.parametrize("policy", ["second-sight", "probation", "oracle", "hazard"])
+@pytest.mark.parametrize("policy", ["second-sight", "probation", "oracle", "hazard", "oracle-prefetch"])
 def test_levers_never_lose_a_hit_token_overall(policy: str) -> None:
     """A dropped chunk keeps its L2 copy: L1 + L2 lookup hits stay the default's (hits move between tiers)."""
     sc = load_scenario("cpu-tiny")
@@ -72,3 +72,13 @@ def test_age_hazard_by_turn_keeps_one_rate_per_turn() -> None:
     h.observe(4, [0, 1, 2])  # turn 2, continuing a first turn at age 4
     h.observe(8, [0, 1, 2, 3])  # turn 3, continuing a second turn at age 4
     assert h.cont[1, 1] == 1 and h.cont[2, 1] == 1 and h.turn[8] == 3
+
+
+def test_oracle_prefetch_is_the_ceiling_of_the_prefetch_rows() -> None:
+    """Loading each prompt's chunks just before it comes serves from L1 all that L2 holds of it."""
+    sc = load_scenario("cpu-tiny")
+    reqs = sim_requests(load_workload("bundled", 200))
+    rows = [simulate(sc, reqs, p, probation=32, prefetch_budget=150) for p in ("probation", "hazard")]
+    ceiling = simulate(sc, reqs, "oracle-prefetch")
+    assert all(ceiling.l1_hit_tokens > r.l1_hit_tokens for r in rows)
+    assert ceiling.l2_hit_tokens < min(r.l2_hit_tokens for r in rows)
