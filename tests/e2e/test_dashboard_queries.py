@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import shutil
 import subprocess
@@ -35,6 +34,7 @@ from kvtier.controller.actuators.lmcache_keys import object_keys
 from kvtier.dashboards import lint
 from tests.e2e import prom as promlib
 from tests.e2e.demo_proc import running_demo
+from tests.e2e.device_reads import cold_reads
 from tests.peers import vllm as vllm_peer
 from tests.peers.lmcache import LMCacheMPServer
 from tests.peers.procs import free_port, start, stop, wait_for, wait_started
@@ -325,26 +325,6 @@ def traffic(stack: Stack, prometheus: promlib.Prometheus) -> int:
     finally:
         scratch.unlink(missing_ok=True)
     return sent
-
-
-def cold_reads(path: Path, mib: int = 8) -> int:
-    """Read ``mib`` MiB from the block device under ``path``: write and fsync a file, drop its pages from the
-    page cache (``posix_fadvise DONTNEED``), read it back. Returns the bytes read."""
-    chunk = random.Random(mib).randbytes(1 << 20)
-    with open(path, "wb") as f:
-        for _ in range(mib):
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        n = 0
-        while b := os.read(fd, 1 << 20):
-            n += len(b)
-        return n
-    finally:
-        os.close(fd)
 
 
 def test_every_dashboard_query_returns_data(
