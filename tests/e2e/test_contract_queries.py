@@ -20,7 +20,7 @@ import pytest
 from kvtier.dashboards import lint
 from tests.e2e import prom as promlib
 from tests.e2e.demo_proc import running_demo
-from tests.e2e.device_reads import cold_reads
+from tests.e2e.device_reads import read_until_the_collector_saw_reads
 from tests.peers.procs import wait_for
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.slow]
@@ -52,16 +52,7 @@ def test_kvtier_panel_queries_return_series_from_the_real_sidecar(tmp_path: Path
         wait_for(lambda: demo.get("/v1/model").json().get("auc") is not None, 180, "demo model trained")
         prom.wait_until("count(kvtier_predictor_auc)", lambda v: v >= 1, timeout_s=120)
 
-        # the read-latency panel needs device reads inside a storage window (the gauge keeps its last value)
-        wait_for(
-            lambda: (
-                cold_reads(tmp_path / "cold-read.bin")
-                and prom.query("count(kvtier_storage_device_read_latency_milliseconds)")
-            ),
-            120,
-            "device reads seen by the storage collector",
-            interval_s=1.0,
-        )
+        read_until_the_collector_saw_reads(prom, tmp_path)  # the read-latency panel needs device reads
         at = time.time()
         bad, pending_with_data = [], []
         for q in queries:

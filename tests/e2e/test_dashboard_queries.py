@@ -34,7 +34,7 @@ from kvtier.controller.actuators.lmcache_keys import object_keys
 from kvtier.dashboards import lint
 from tests.e2e import prom as promlib
 from tests.e2e.demo_proc import running_demo
-from tests.e2e.device_reads import cold_reads
+from tests.e2e.device_reads import read_until_the_collector_saw_reads
 from tests.peers import vllm as vllm_peer
 from tests.peers.lmcache import LMCacheMPServer
 from tests.peers.procs import free_port, start, stop, wait_for, wait_started
@@ -311,19 +311,7 @@ def traffic(stack: Stack, prometheus: promlib.Prometheus) -> int:
     # the read-latency panel needs device reads inside a storage window; a warm page cache may leave the
     # machine without any, so make some (cold reads of a file on the watched tier path's disk, next to the L2
     # directory, outside the repository) until the sidecar saw them
-    scratch = stack.lmcache.workdir / "cold-read.bin"
-    try:
-        wait_for(
-            lambda: (
-                cold_reads(scratch)
-                and prometheus.query("count(kvtier_storage_device_read_latency_milliseconds)")
-            ),
-            120,
-            "device reads seen by the storage collector",
-            interval_s=1.0,
-        )
-    finally:
-        scratch.unlink(missing_ok=True)
+    read_until_the_collector_saw_reads(prometheus, stack.lmcache.workdir)
     return sent
 
 
