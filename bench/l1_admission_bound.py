@@ -12,11 +12,15 @@ tokens per policy against the layer's default:
 - ``probation N``: what the keeper does with ``probation_chunks: N`` -- a first-sight chunk stays in L1 until
   N newer first-sight chunks arrived, then is dropped unless it was seen again (the small FIFO of S3-FIFO),
   same readmission (:class:`AdmissionCore` with ``probation``, called as the keeper calls it);
+- ``probation N + cold F`` (with ``--cold-fill``): what the keeper does with ``cold_fill: F`` -- probation
+  admission plus cold-chain eviction: the modelled L1 is kept under F x capacity by dropping the chunks of
+  the chains least likely continued next (:class:`ChainHazard`), instead of leaving the choice to the
+  layer's LRU at its watermark;
 - ``oracle``: bypass exactly the chunks that are never used again (future knowledge): the ceiling of
   admission on this workload (no readmission needed);
 - ``hazard B`` (with ``--prefetch-budgets``): probation 32 plus L2 -> L1 prefetch *ahead of* predicted
   reuse. An online, causal estimate of the chance that a request's chain is continued (a later prompt
-  extends it) by the chain's age in requests (:class:`AgeHazard`) ranks the live chains; the best ones, up
+  extends it) by the chain's age in requests (:class:`ChainHazard`) ranks the live chains; the best ones, up
   to B chunks, are kept loaded in L1 and those that fall out are dropped again. Not a keeper option: it is
   here to measure whether the prefetch lever pays on a workload (docs/perf/live_ab_lmcache_l1.md);
   ``oracle-prefetch`` (printed with it) is its ceiling: probation 32 plus each prompt's chunks loaded from
@@ -28,7 +32,7 @@ no store-time feature separates reused from single-use chunks. Requests are pace
 live bench's closed loop runs at about one request per 0.2-0.3 s here).
 Record: docs/perf/live_ab_lmcache_l1.md.
 
-    python -m bench.l1_admission_bound --requests 1000          # ~10 s
+    python -m bench.l1_admission_bound --requests 1000          # ~20 s
     python -m bench.l1_admission_bound --workload multiturn:7 --requests 500
     python -m bench.l1_admission_bound --pace 0.05 --prefetch-budgets 150,350   # + hazard prefetch, ~1 min
 """
@@ -43,6 +47,7 @@ from dataclasses import dataclass
 from bench.calibrate_sim import sim_requests
 from bench.live_ab import load_workload
 from kvtier.policies.base import Request
+from kvtier.policies.chain_hazard import ChainHazard
 from kvtier.policies.l1_admission import AdmissionCore
 from kvtier.policies.tiers import Tier
 from kvtier.replay.sim.run import make_layer
@@ -73,74 +78,13 @@ def next_use(chains: Sequence[Sequence[int]]) -> list[dict[int, int]]:
     return out
 
 
-class AgeHazard:
-    """Causal estimate of the chance that a request's chunk chain is continued, by its age in requests.
-
-    A request continues an earlier one when its prompt's known prefix reaches past the first chunk (a
-    prefix every prompt may share) into chunks last used by that request; the continued chain's age is
-    the number of requests between them. Per age bin of ``bin_requests`` (and, with ``by_turn``, per turn:
-    how many continuations led to the chain, capped at 4): continuations seen at that age over
-    chain-requests spent at that age, both counted from the past only. Why by age: in a conversation trace
-    the next turn comes back after tens to hundreds of requests, long after an LRU of a few dozen prompts
-    has let it go, so recency is the wrong ranking there. Why by turn: in the bundled trace a first turn is
-    continued 31 % of the time, a fifth 75 %.
-    """
-
-    def __init__(self, *, bin_requests: int = 16, max_age: int = 640, by_turn: bool = False) -> None:
-        self.w, self.max_age, self.by_turn = bin_requests, max_age, by_turn
-        self.cont: Counter[tuple[int, int]] = Counter()  # (turn class, age bin) -> continuations
-        self.exposure: Counter[tuple[int, int]] = Counter()  # (turn class, age bin) -> chain-requests
-        self.live: dict[int, list[int]] = {}  # request index -> its chain, while it may be continued
-        self.turn: dict[int, int] = {}  # live request index -> its turn class
-        self.last_user: dict[int, int] = {}  # chunk -> index of the last request that used it
-
-    def observe(self, i: int, chain: Sequence[int]) -> None:
-        """Request ``i`` (indices ascending) with its chunk chain: learn from it, then track it."""
-        k = 0
-        while k < len(chain) and chain[k] in self.last_user:
-            k += 1
-        turn = 1
-        if k >= 2:
-            j = self.last_user[chain[k - 1]]
-            if j in self.live:
-                self.cont[self.turn[j], (i - j) // self.w] += 1
-                turn = self.turn[j] + 1
-                del self.live[j], self.turn[j]
-        for b in chain:
-            self.last_user[b] = i
-        self.live[i] = list(chain)
-        self.turn[i] = min(turn, 4) if self.by_turn else 1
-        for j in list(self.live):
-            if i - j > self.max_age:
-                del self.live[j], self.turn[j]
-            else:
-                self.exposure[self.turn[j], (i - j) // self.w] += 1
-
-    def rate(self, j: int, i: int) -> float:
-        """Continuations per chain-request for live request ``j``'s chain at request ``i``, shrunk towards 0
-        while its (turn, age) cell has little exposure."""
-        cell = (self.turn.get(j, 1), (i - j) // self.w)
-        return self.cont[cell] / (self.exposure[cell] + self.w)
-
-    def hold(self, i: int, budget: int) -> set[int]:
-        """Chunks of the live chains most likely continued next (older than request ``i``), up to
-        ``budget`` chunks; ties go to the younger chain."""
-        out: set[int] = set()
-        for j in sorted((j for j in self.live if j < i), key=lambda j: (-self.rate(j, i), -j)):
-            if self.rate(j, i) <= 0.0:
-                break
-            c = self.live[j]
-            if len(out | set(c)) <= budget:
-                out.update(c)
-        return out
-
-
 def simulate(
     sc: Scenario,
     reqs: Sequence[Request],
     policy: str,
     *,
     probation: int = 0,
+    cold_fill: float | None = None,
     pace_s: float = 0.25,
     prefetch_budget: int = 0,
     by_turn: bool = False,
@@ -152,8 +96,8 @@ def simulate(
     nxt = next_use(chains) if policy == "oracle" else []
     if policy in ("hazard", "oracle-prefetch"):
         probation = 32
-    core = AdmissionCore(capacity=sc.tiers[1].capacity_blocks, probation=probation)
-    hazard = AgeHazard(by_turn=by_turn)
+    core = AdmissionCore(capacity=sc.tiers[1].capacity_blocks, probation=probation, cold_fill=cold_fill)
+    hazard = ChainHazard(by_turn=by_turn)
     held: set[int] = set()
     dropped: set[int] = set()
     drops = readmits = 0
@@ -178,7 +122,7 @@ def simulate(
             victims = []
         if policy == "hazard":
             hazard.observe(i, chain)
-            target = hazard.hold(i, prefetch_budget)
+            target = {int(str(b)) for b in hazard.hold(i, prefetch_budget)}
             recent = set(chain)
             victims = [b for b in victims if b not in target]
             victims += [b for b in held - target if b not in recent]  # fell out of the held set
@@ -190,6 +134,8 @@ def simulate(
                 drops += 1
     look = layer.layer_lookup_tokens
     name = {"probation": f"probation {probation}", "hazard": f"hazard {prefetch_budget}"}.get(policy, policy)
+    if cold_fill is not None:
+        name += f" + cold {cold_fill:g}"
     return BoundRow(name, look.get("cpu", 0), look.get("disk", 0), drops, readmits)
 
 
@@ -223,6 +169,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--pace", type=float, default=0.25, help="seconds between requests (closed loop)")
     ap.add_argument("--probation", default="16,32,92", help="comma-separated probation lengths (chunks)")
     ap.add_argument(
+        "--cold-fill",
+        default="0.75",
+        help="comma-separated cold_fill shares ('' = none)",
+    )
+    ap.add_argument(
         "--prefetch-budgets", default="", help="comma-separated L1 budgets (chunks) of hazard prefetch rows"
     )
     a = ap.parse_args(argv)
@@ -230,6 +181,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     reqs = sim_requests(load_workload(a.workload, a.requests))
     rows = [simulate(sc, reqs, "default", pace_s=a.pace), simulate(sc, reqs, "second-sight", pace_s=a.pace)]
     rows += [simulate(sc, reqs, "probation", probation=int(p), pace_s=a.pace) for p in a.probation.split(",")]
+    rows += [
+        simulate(sc, reqs, "probation", probation=int(p), cold_fill=float(f), pace_s=a.pace)
+        for p in a.probation.split(",")
+        for f in a.cold_fill.split(",")
+        if f
+    ]
     budgets = [int(b) for b in a.prefetch_budgets.split(",") if b]
     rows += [simulate(sc, reqs, "hazard", prefetch_budget=b, pace_s=a.pace) for b in budgets]
     if budgets:
@@ -237,11 +194,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows.append(simulate(sc, reqs, "oracle", pace_s=a.pace))
     base = max(1, rows[0].l1_hit_tokens)
     print(f"{a.workload}, {len(reqs)} requests, L1 {sc.tiers[1].capacity_blocks} chunks, pace {a.pace} s")
-    print(f"{'policy':16s} {'L1-hit tokens':>14s} {'vs default':>10s} {'L2-hit tokens':>14s} {'drops':>7s} "
+    print(f"{'policy':24s} {'L1-hit tokens':>14s} {'vs default':>10s} {'L2-hit tokens':>14s} {'drops':>7s} "
           f"{'readmits':>8s}")  # fmt: skip
     for r in rows:
         gain = r.l1_hit_tokens / base - 1
-        print(f"{r.policy:16s} {r.l1_hit_tokens:14,d} {gain:+10.1%} {r.l2_hit_tokens:14,d} {r.drops:7d} "
+        print(f"{r.policy:24s} {r.l1_hit_tokens:14,d} {gain:+10.1%} {r.l2_hit_tokens:14,d} {r.drops:7d} "
               f"{r.readmits:8d}")  # fmt: skip
     uses = Counter(Counter(int(x) for r in reqs for x in r.hash_ids).values())
     print("chunks by uses:", ", ".join(f"{k}x: {uses[k]}" for k in sorted(uses)[:6]))

@@ -11,7 +11,10 @@ verified (never the last copy; an unverified one is checked again every ``delay_
 has not appeared after ``verify_deadline_s`` is left alone (counted ``skipped``). When a dropped chunk is
 looked up again (its second sight), LMCache serves it from L2 through a temporary L1 copy it frees after the
 read; so the keeper admits it itself: one ``POST /cache/prefetches`` (L2 -> L1) of the prefix through that
-chunk, off the request path (counted ``l1_readmit``).
+chunk, off the request path (counted ``l1_readmit``). With ``cold_fill`` (default 0.75) the core also
+names the admitted chunks of the chains least likely continued next while its model of L1 is fuller than
+that share of capacity (cold-chain eviction, see :mod:`kvtier.policies.l1_admission`); they go the same way
+as the probation drops (L2 copy verified, one ``DELETE`` per batch, readmitted at their next sight).
 
 What the layer can and cannot tell (reported in ``status()``): L2 residency per key is verified (``fs``
 files); L1 residency per key is not observable (LMCache MP exposes counts only), so the keeper never
@@ -105,6 +108,7 @@ class L1Keeper:
         window: int = 512,
         delay_s: float = 0.5,
         probation_chunks: int = 32,
+        cold_fill: float | None = 0.75,
         verify_deadline_s: float = 15.0,
         max_batch: int = 256,
         status_every_s: float = 2.0,
@@ -117,7 +121,11 @@ class L1Keeper:
         self.is_active = is_active
         self.record = record
         self.core = AdmissionCore(
-            capacity_chunks, window=window, require_calibration=True, probation=probation_chunks
+            capacity_chunks,
+            window=window,
+            require_calibration=True,
+            probation=probation_chunks,
+            cold_fill=cold_fill,
         )
         self._core_lock = threading.Lock()  # observe (ingest thread) vs measure (worker)
         self.metrics = GuardMetrics(registry)
@@ -186,8 +194,8 @@ class L1Keeper:
             return
         accessed = keys[first_new:] if continues else keys
         with self._core_lock:  # only this store's chunks may be dropped; with probation, earlier stores' too
-            todo = [k for k in self.core.observe(accessed, droppable=set(keys[first_new:]))
-                    if isinstance(k, ObjectKey)]  # fmt: skip
+            picked = self.core.observe(accessed, droppable=set(keys[first_new:]), continues=continues)
+            todo = [k for k in picked if isinstance(k, ObjectKey)]
             self._sync_guard()
         # second sight of a chunk we dropped: LMCache serves it from L2 through a temporary L1 copy that it
         # frees after the read, so admission means loading the prefix into L1 ourselves
@@ -412,7 +420,13 @@ class L1Keeper:
         except Exception:  # noqa: BLE001 - /v1/status must answer while the layer does not
             l2 = "unknown: the layer's /status does not answer"
         return {
-            "strategy": "second-sight admission (drop first-sight chunks from L1 once L2 holds them)",
+            "strategy": "second-sight admission (drop first-sight chunks from L1 once L2 holds them)"
+            + (
+                f"; cold-chain eviction (keep L1 under {self.core.cold_fill:g} of capacity by dropping the"
+                " chains least likely continued next)"
+                if self.core.cold_fill is not None
+                else ""
+            ),
             "residency": {
                 "l1": "counts only (LMCache MP /status); per-key L1 residency is not observable",
                 "l2": l2,

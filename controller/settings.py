@@ -357,6 +357,12 @@ class LMCacheL1Settings(_Section):
         description="first-sight chunks that wait in L1 before the oldest not seen again is dropped; 0 = drop"
         " each first-sight chunk delay_s after its store",
     )  # fmt: skip
+    cold_fill: float | None = Field(
+        default=0.75, gt=0, lt=1,
+        description="cold-chain eviction: keep the keeper's model of L1 under this share of its capacity by"
+        " dropping the chunks of the chains least likely continued next (learned online by age); just under"
+        " LMCache's eviction watermark (0.8), so the ranking is the keeper's, not the LRU's; null = off",
+    )  # fmt: skip
     delay_s: float = Field(
         default=0.5, ge=0,
         description="with probation 0, wait after a store before its L1 drop; always the wait before"

@@ -171,3 +171,60 @@ def test_measured_guard_skips_periods_it_cannot_judge() -> None:
     _near_far(c, 100)
     assert c.measure(real + 1 + 0.9 * (c.total_default_hits - d0), layer_active=False) == "calibrated"
     assert c.k is not None and abs(c.k - 0.85) < 1e-9 and c.trips == 0
+
+
+def _conversations(i: int, sent: dict[int, list[int]]) -> list[int]:
+    """Request ``i``: even -> a new conversation (3 chunks after a shared first one); odd -> its next turn,
+    20 or 21 requests after the previous one (the user's think time): never sooner, never later."""
+    if i % 2 == 0 or i < 21:
+        return [0, *range(100 * i + 1, 100 * i + 4)]
+    if i % 3 == 0 and i - 20 in sent:
+        return [*sent[i - 20], 50_000 + i]  # a third turn, 20 requests after the second
+    return [*sent[i - 21], 60_000 + i]  # a second turn, 21 requests after the first
+
+
+def test_cold_fill_drops_the_chain_least_likely_continued_not_the_least_recent() -> None:
+    """Conversations come back 20-21 requests later, never sooner: the learned rate is 0 at ages 0-15 and
+    past 31. Over the fill line the core drops the chains past 31 and then the young ones, and keeps those
+    aged 16-31 (about to be continued) -- which the layer's LRU, oldest first, would drop before the young."""
+    c = AdmissionCore(10_000, probation=0, cold_fill=0.1, window=1 << 20)
+    sent: dict[int, list[int]] = {}
+    for i in range(160):  # learn (L1 large enough: nothing dropped cold)
+        sent[i] = _conversations(i, sent)
+        c.observe(sent[i])
+    assert c.cold_drops == 0
+    last_user = c.hazard.last_user if c.hazard else {}
+    age = {k: 159 - last_user[k] for k in c.l1_model}
+    old = [k for k, a in age.items() if a >= 32]
+    peak = [k for k, a in age.items() if 16 <= a < 32]
+    young = [k for k, a in age.items() if 0 < a < 16]
+    assert old and peak and len(young) > 10
+    nxt = _conversations(160, sent)
+    over = len(old) + 10  # the LRU would take the old, then 10 of the peak
+    c.set_capacity(10 * (len(c.l1_model) + len(nxt) - over))  # fill line (0.1 x) ``over`` lower
+    drops = set(c.observe(nxt))
+    assert drops >= set(old) and not drops & set(peak) and len(drops & set(young)) >= 5
+    assert 0 not in drops  # the latest request's (its shared first chunk) stay
+
+
+def test_cold_fill_never_drops_the_latest_request_nor_probation_and_counts_in_shadow() -> None:
+    c = AdmissionCore(40, probation=8, cold_fill=0.25, require_calibration=True)
+    assert not c.acting  # shadow until calibrated: nothing returned, the decisions still counted
+    prev: list[str] = []
+    for i in range(20):  # each request repeats the previous one's chunks (admitted) and adds 4
+        chain = [*prev, *(f"r{i}.{j}" for j in range(4))]
+        assert c.observe(chain) == []
+        prev = chain[-4:]
+    assert c.cold_drops > 0 and len(c.l1_model) <= 10 + 8
+    c.acting = True
+    chain = [*prev, "x0", "x1", "x2", "x3"]
+    drops = c.observe(chain)
+    assert drops and not set(drops) & set(chain) and not set(drops) & set(c.on_probation)
+
+
+def test_cold_fill_models_readmission_of_a_dropped_chunk() -> None:
+    c = AdmissionCore(4, probation=0, cold_fill=0.5)
+    assert c.observe(["a", "b"]) == ["a", "b"]  # first sight: dropped (the model follows)
+    assert "a" not in c.l1_model and "a" in c.dropped_keys
+    c.observe(["a", "b", "c"])  # second sight of a dropped prefix: the caller readmits a, b
+    assert "a" in c.l1_model and "b" in c.l1_model and "a" not in c.dropped_keys

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from bench.calibrate_sim import sim_requests
-from bench.l1_admission_bound import NEVER, AgeHazard, next_use, simulate, store_time_reuse
+from bench.l1_admission_bound import NEVER, next_use, simulate, store_time_reuse
 from bench.live_ab import load_workload, once_again_trace
 from kvtier.replay.sim.scenario import load_scenario
 
@@ -46,32 +46,6 @@ def test_store_time_reuse_counts_every_first_sighting_once() -> None:
     for vals in store_time_reuse(reqs).values():
         assert sum(c for c, _ in vals.values()) == distinct
         assert all(0.0 <= rate <= 1.0 for _, rate in vals.values())
-
-
-def test_age_hazard_learns_continuation_ages_from_the_past_and_holds_the_likeliest_chains() -> None:
-    h = AgeHazard(bin_requests=4, max_age=40)
-    # request 0 opens chain [0, 1, 2]; request 8 continues it (shares chunks beyond the first) at age 8
-    h.observe(0, [0, 1, 2])
-    for i in range(1, 8):
-        h.observe(i, [0, 100 + i])  # prompts sharing only the first chunk: no continuation
-    assert h.rate(1, 9) == 0.0  # nothing continued yet: causal, no label from the future
-    h.observe(8, [0, 1, 2, 3])
-    assert h.cont[1, 2] == 1 and 0 not in h.live and 8 in h.live  # the continued chain is replaced
-    assert h.rate(1, 9) > 0.0 and h.rate(5, 9) == 0.0  # age 8 has a continuation, age 4 none
-    # two requests later the chains aged 8-11 rank first; the budget (chunks) bounds the held set
-    h.observe(9, [0, 200])
-    h.observe(10, [0, 201])
-    assert h.hold(10, budget=2) == {0, 102}  # request 2 (age 8): the youngest chain of the best bin
-    assert h.hold(10, budget=3) == {0, 101, 102}  # then request 1 (age 9); shared chunks count once
-    assert h.hold(10, budget=0) == set()
-
-
-def test_age_hazard_by_turn_keeps_one_rate_per_turn() -> None:
-    h = AgeHazard(bin_requests=4, max_age=40, by_turn=True)
-    h.observe(0, [0, 1])
-    h.observe(4, [0, 1, 2])  # turn 2, continuing a first turn at age 4
-    h.observe(8, [0, 1, 2, 3])  # turn 3, continuing a second turn at age 4
-    assert h.cont[1, 1] == 1 and h.cont[2, 1] == 1 and h.turn[8] == 3
 
 
 def test_oracle_prefetch_is_the_ceiling_of_the_prefetch_rows() -> None:
