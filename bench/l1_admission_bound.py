@@ -85,6 +85,7 @@ def simulate(
     *,
     probation: int = 0,
     cold_fill: float | None = None,
+    status_every_s: float = 2.0,
     pace_s: float = 0.25,
     prefetch_budget: int = 0,
     by_turn: bool = False,
@@ -101,10 +102,14 @@ def simulate(
     held: set[int] = set()
     dropped: set[int] = set()
     drops = readmits = 0
+    next_status = 0.0
     for i, (r, chain) in enumerate(zip(reqs, chains, strict=True)):
         layer.now = i * pace_s
         if policy == "oracle-prefetch":  # future knowledge: this prompt's chunks, loaded just before it
             readmits += sum(layer.promote(b, Tier.CPU) == "" for b in chain)
+        if cold_fill is not None and layer.now >= next_status:  # the keeper's /status read
+            core.set_occupancy(layer.resident(Tier.CPU))
+            next_status = layer.now + status_every_s
         found = layer.lookup(chain, r.input_length, r.block_tokens)
         for k, b in enumerate(chain):  # second sight of a dropped chunk, found in L2: reload its prefix
             if b in dropped and found.tiers[k] is Tier.DISK:

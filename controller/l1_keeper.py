@@ -13,8 +13,9 @@ looked up again (its second sight), LMCache serves it from L2 through a temporar
 read; so the keeper admits it itself: one ``POST /cache/prefetches`` (L2 -> L1) of the prefix through that
 chunk, off the request path (counted ``l1_readmit``). With ``cold_fill`` (default 0.75) the core also
 names the admitted chunks of the chains least likely continued next while its model of L1 is fuller than
-that share of capacity (cold-chain eviction, see :mod:`kvtier.policies.l1_admission`); they go the same way
-as the probation drops (L2 copy verified, one ``DELETE`` per batch, readmitted at their next sight).
+that share of capacity -- counted from the L1 object count ``/status`` last reported, moved by the keeper's
+own stores and drops since (cold-chain eviction, see :mod:`kvtier.policies.l1_admission`); they go the same
+way as the probation drops (L2 copy verified, one ``DELETE`` per batch, readmitted at their next sight).
 
 What the layer can and cannot tell (reported in ``status()``): L2 residency per key is verified (``fs``
 files); L1 residency per key is not observable (LMCache MP exposes counts only), so the keeper never
@@ -299,9 +300,12 @@ class L1Keeper:
         # (our own drops keep the object count low, so the count alone would under-estimate it)
         est = int(total / (used / n)) if n > 0 and used > 0 else 0
         cap = max(self._max_objects, n, est)
-        if cap > 0 and cap != self.core.capacity:
-            self._max_objects = max(self._max_objects, n)
-            self.core.set_capacity(cap)
+        with self._core_lock:  # the ingest thread's observe reads both
+            if cap > 0 and cap != self.core.capacity:
+                self._max_objects = max(self._max_objects, n)
+                self.core.set_capacity(cap)
+            if l1s:
+                self.core.set_occupancy(n)  # cold-chain eviction counts from the layer's own count
 
     def _measure(self) -> None:
         """Every ``measure_every_s``: close a guard period at LMCache's own L1-hit counter (see the core),

@@ -140,6 +140,7 @@ class AdmissionCore:
         # cold-chain eviction's model of the layer's L1 (oldest first) and the chunks dropped from it
         self.l1_model: OrderedDict[Hashable, None] = OrderedDict()
         self.dropped_keys: OrderedDict[Hashable, None] = OrderedDict()
+        self._occupancy: int | None = None  # the layer's L1 object count as last observed, then tracked
         if self.require_calibration:
             self.acting = False
 
@@ -147,6 +148,13 @@ class AdmissionCore:
     def on_probation(self) -> list[Hashable]:
         """First-sight chunks waiting out their probation, oldest first."""
         return list(self._probation)
+
+    def set_occupancy(self, chunks: int) -> None:
+        """The layer's L1 object count as just read (chunks). Cold-chain eviction then counts how far over
+        its line L1 is from this reading, moved by the model's own additions and drops since, instead of from
+        the model's size: the model cannot see what the layer evicted or never kept (a live stack's L1 ran
+        30-50 chunks under the model), and each drop it makes on that error is a hit given away."""
+        self._occupancy = max(0, int(chunks))
 
     def set_capacity(self, chunks: int) -> None:
         """The layer's L1 capacity as observed (chunks); both simulations follow it."""
@@ -225,6 +233,7 @@ class AdmissionCore:
             self._request += 1
         self.hazard.observe(self._request, keys, continues=continues)
         l1, out = self.l1_model, self.dropped_keys
+        before = len(l1)
         back = max((i for i, k in enumerate(keys) if k in out), default=-1)  # readmitted through here
         for i, k in enumerate(keys):
             if i <= back or k in l1 or droppable is None or k in droppable:
@@ -235,12 +244,17 @@ class AdmissionCore:
             self._forget(k)
         while len(l1) > self.capacity:
             l1.popitem(last=False)
-        over = len(l1) - int(self.cold_fill * self.capacity)
+        if self._occupancy is not None:
+            self._occupancy = max(0, self._occupancy + len(l1) - before)
+        held = len(l1) if self._occupancy is None else self._occupancy
+        over = held - int(self.cold_fill * self.capacity)
         if over <= 0:
             return []
         cold = self.hazard.coldest(l1, over, keep=self._probation)
         for k in cold:  # not taken out of the simulated admission L1: see the module doc
             self._forget(k)
+        if self._occupancy is not None:
+            self._occupancy = max(0, self._occupancy - len(cold))
         self.cold_drops += len(cold)
         return cold
 

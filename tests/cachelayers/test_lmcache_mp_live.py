@@ -366,3 +366,41 @@ def test_keeper_on_probation_drops_the_oldest_first_sight_chunks_and_keeps_the_n
     d = rig.ask("Q after the keeper's drops", p)
     assert d["l2"] >= (n_chunks - 2) * 64 and d["l1"] + d["l2"] == n_chunks * 64, d
     assert d["ext"] == n_chunks * 64, d
+
+
+def test_keeper_cold_chain_eviction_drops_the_coldest_admitted_chain_and_keeps_its_l2_copy(rig: Rig) -> None:
+    """Cold-chain eviction on the real layer: with its model of L1 over the fill line, the keeper drops the
+    admitted chunks of the chain least likely continued next (here every chain comes back at the same age,
+    so the older one), once their L2 copies are verified; that prompt's next look-up finds every chunk, in
+    L2 -- none lost -- and the newer prompts' chunks stay in L1."""
+    from kvtier.controller.l1_keeper import L1Keeper
+    from tests.peers.sidecar import wait_for
+
+    prompts = [text(31 + i, 120) for i in range(3)]
+    toks = [tuple(rig.tokens(p)) for p in prompts]
+    n = [len(t) // 64 for t in toks]
+    act = LMCacheMPActuator(HttpCaller(rig.server.url, timeout_s=10.0), model_name=rig.vllm.model_path)
+    keeper = L1Keeper(act, chain_tokens=lambda h: toks[h], is_active=lambda: True,
+                      registry=CollectorRegistry(), delay_s=0.05, probation_chunks=64)  # fmt: skip
+    keeper.core.require_calibration = False
+    keeper.core.acting = True
+    for i, p in enumerate(prompts):
+        rig.ask(f"C{i} cold (stored into L1 and L2)", p)
+    keeper.step()  # reads the layer's L1 capacity from /status
+    # the fill line leaves room for all but the first prompt's chunks
+    keeper.core.cold_fill = (sum(n) - n[0] + 0.5) / keeper.core.capacity
+    keeper.start()
+    try:
+        for i in (0, 1, 2, 0, 1, 2):  # first sights (on probation), then second sights (admitted)
+            keeper.on_block_stored(None, i, len(toks[i]) // 32, 32)
+        wait_for(lambda: keeper.counts["applied"] + keeper.counts["skipped"] >= n[0], 30.0, "cold drops")
+    finally:
+        keeper.stop()
+    assert keeper.core.cold_drops == n[0] and keeper.counts["applied"] == n[0], keeper.counts
+    assert keeper.counts["failed"] == 0
+    rig.flush_vllm()
+    d = rig.ask("C0 after the keeper's cold drops", prompts[0])
+    assert d["l1"] == 0 and d["l2"] == n[0] * 64 and d["ext"] == n[0] * 64, d
+    rig.flush_vllm()
+    d = rig.ask("C2 kept", prompts[2])
+    assert d["l1"] == n[2] * 64, d

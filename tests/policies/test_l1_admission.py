@@ -228,3 +228,25 @@ def test_cold_fill_models_readmission_of_a_dropped_chunk() -> None:
     assert "a" not in c.l1_model and "a" in c.dropped_keys
     c.observe(["a", "b", "c"])  # second sight of a dropped prefix: the caller readmits a, b
     assert "a" in c.l1_model and "b" in c.l1_model and "a" not in c.dropped_keys
+
+
+def test_cold_fill_counts_from_the_layers_observed_occupancy_not_the_model() -> None:
+    """The model holds every admitted chunk; the layer reported fewer (it evicted some the model cannot
+    see): the core drops only what takes the reported count, moved by its own stores since, over the line."""
+    c = AdmissionCore(100, probation=0, cold_fill=0.5)
+    for i in range(40):  # 40 prompts of 2 chunks, each seen twice: 80 admitted chunks in the model
+        chain = [f"p{i}.0", f"p{i}.1"]
+        c.observe(chain)
+        c.observe(chain)
+    assert len(c.l1_model) == 50 and c.cold_drops == 30  # no reading yet: the model's size counts
+    c.set_occupancy(40)  # the layer holds 40
+    before = c.cold_drops
+    for i in range(40, 45):  # 5 more prompts admitted: 10 chunks -> 50, on the line
+        c.observe([f"p{i}.0", f"p{i}.1"])
+        c.observe([f"p{i}.0", f"p{i}.1"])
+    assert c.cold_drops == before  # the model's 60 would have dropped 10
+    c.observe(["q.0", "q.1"])  # first sight (dropped at once with probation 0): L1 unchanged
+    assert c.cold_drops == before
+    c.observe(["p45.0", "p45.1", "p45.2", "p45.3"])
+    c.observe(["p45.0", "p45.1", "p45.2", "p45.3"])  # 4 more: 4 over the line
+    assert c.cold_drops == before + 4

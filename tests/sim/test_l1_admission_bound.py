@@ -40,6 +40,20 @@ def test_levers_never_lose_a_hit_token_overall(policy: str) -> None:
     assert r.drops > 0
 
 
+def test_cold_chain_eviction_adds_l1_hits_to_probation_on_the_conversation_trace_and_loses_none() -> None:
+    """The keeper's default (probation 32 + cold_fill 0.75) against probation alone, in the calibrated
+    simulator at the 512 x 8 rig's pace: more L1 hits, the same L1 + L2 hits, and more drops (the cold
+    chains) than probation makes."""
+    sc = load_scenario("cpu-tiny")
+    reqs = sim_requests(load_workload("bundled", 1000))
+    d = simulate(sc, reqs, "default", pace_s=0.17)
+    p = simulate(sc, reqs, "probation", probation=32, pace_s=0.17)
+    c = simulate(sc, reqs, "probation", probation=32, cold_fill=0.75, pace_s=0.17)
+    assert c.l1_hit_tokens > 1.05 * p.l1_hit_tokens > 1.05 * d.l1_hit_tokens
+    assert c.l1_hit_tokens + c.l2_hit_tokens == d.l1_hit_tokens + d.l2_hit_tokens
+    assert c.drops > p.drops and c.policy == "probation 32 + cold 0.75"
+
+
 def test_store_time_reuse_counts_every_first_sighting_once() -> None:
     reqs = sim_requests(load_workload("bundled", 200))
     distinct = len({int(x) for r in reqs for x in r.hash_ids})
