@@ -368,6 +368,7 @@ class AdmissionCore:
             "resumes": self.resumes,
             "cold_fill": self.cold_fill,
             "cold_drops": self.cold_drops,
+            "l1_reported_chunks": self._occupancy,  # as last read, moved by the core's own stores and drops
             "simulated_l1_hits": {"default": self.total_default_hits, "admission": self.total_admission_hits},
             "measured": {
                 "k_real_per_simulated_default": self.k,

@@ -369,10 +369,10 @@ def test_keeper_on_probation_drops_the_oldest_first_sight_chunks_and_keeps_the_n
 
 
 def test_keeper_cold_chain_eviction_drops_the_coldest_admitted_chain_and_keeps_its_l2_copy(rig: Rig) -> None:
-    """Cold-chain eviction on the real layer: with its model of L1 over the fill line, the keeper drops the
-    admitted chunks of the chain least likely continued next (here every chain comes back at the same age,
-    so the older one), once their L2 copies are verified; that prompt's next look-up finds every chunk, in
-    L2 -- none lost -- and the newer prompts' chunks stay in L1."""
+    """Cold-chain eviction on the real layer: with L1 (as ``/status`` counts it) over the fill line, the
+    keeper drops the admitted chunks of the chain least likely continued next (here every chain comes back
+    at the same age, so the older one), once their L2 copies are verified; that prompt's next look-up finds
+    every chunk, in L2 -- none lost -- and the newer prompts' chunks stay in L1."""
     from kvtier.controller.l1_keeper import L1Keeper
     from tests.peers.sidecar import wait_for
 
@@ -386,12 +386,14 @@ def test_keeper_cold_chain_eviction_drops_the_coldest_admitted_chain_and_keeps_i
     keeper.core.acting = True
     for i, p in enumerate(prompts):
         rig.ask(f"C{i} cold (stored into L1 and L2)", p)
-    keeper.step()  # reads the layer's L1 capacity from /status
-    # the fill line leaves room for all but the first prompt's chunks
-    keeper.core.cold_fill = (sum(n) - n[0] + 0.5) / keeper.core.capacity
+        keeper.on_block_stored(None, i, len(toks[i]) // 32, 32)  # first sight: on probation
+    keeper.step()  # reads the layer's L1 capacity and object count from /status
+    held = int(keeper.status()["guard"]["l1_reported_chunks"])
+    assert held >= sum(n)  # the layer holds the three prompts (and whatever earlier tests left)
+    keeper.core.cold_fill = (held - n[0] + 0.5) / keeper.core.capacity  # the line: n[0] chunks lower
     keeper.start()
     try:
-        for i in (0, 1, 2, 0, 1, 2):  # first sights (on probation), then second sights (admitted)
+        for i in (0, 1, 2):  # second sights: admitted; at prompt 1's, prompt 0's chain is the coldest
             keeper.on_block_stored(None, i, len(toks[i]) // 32, 32)
         wait_for(lambda: keeper.counts["applied"] + keeper.counts["skipped"] >= n[0], 30.0, "cold drops")
     finally:
