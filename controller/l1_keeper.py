@@ -11,7 +11,7 @@ verified (never the last copy; an unverified one is checked again every ``delay_
 has not appeared after ``verify_deadline_s`` is left alone (counted ``skipped``). When a dropped chunk is
 looked up again (its second sight), LMCache serves it from L2 through a temporary L1 copy it frees after the
 read; so the keeper admits it itself: one ``POST /cache/prefetches`` (L2 -> L1) of the prefix through that
-chunk, off the request path (counted ``l1_readmit``). With ``cold_fill`` (default 0.75) the core also
+chunk, off the request path (counted ``l1_readmit``). With ``cold_fill`` (off by default) the core also
 names the admitted chunks of the chains least likely continued next while its model of L1 is fuller than
 that share of capacity -- counted from the L1 object count ``/status`` last reported, moved by the keeper's
 own stores and drops since (cold-chain eviction, see :mod:`kvtier.policies.l1_admission`); they go the same
@@ -109,7 +109,7 @@ class L1Keeper:
         window: int = 512,
         delay_s: float = 0.5,
         probation_chunks: int = 32,
-        cold_fill: float | None = 0.75,
+        cold_fill: float | None = None,
         verify_deadline_s: float = 15.0,
         max_batch: int = 256,
         status_every_s: float = 2.0,

@@ -358,10 +358,11 @@ class LMCacheL1Settings(_Section):
         " each first-sight chunk delay_s after its store",
     )  # fmt: skip
     cold_fill: float | None = Field(
-        default=0.75, gt=0, lt=1,
-        description="cold-chain eviction: keep the keeper's model of L1 under this share of its capacity by"
+        default=None, gt=0, lt=1,
+        description="cold-chain eviction: keep L1 (as /status counts it) under this share of its capacity by"
         " dropping the chunks of the chains least likely continued next (learned online by age); just under"
-        " LMCache's eviction watermark (0.8), so the ranking is the keeper's, not the LRU's; null = off",
+        " LMCache's eviction watermark (0.8): 0.75; null = off, the default: it did not pay on the live rig"
+        " (docs/perf/live_ab_lmcache_l1.md)",
     )  # fmt: skip
     delay_s: float = Field(
         default=0.5, ge=0,

@@ -25,7 +25,9 @@ the user's think time, so recency ranks a chain in its think-time peak below one
 x capacity, also drops the chunks least likely needed next by
 :class:`~kvtier.policies.chain_hazard.ChainHazard` (continuation rate by chain age, learned online). In the
 calibrated simulator this adds 7-8 points of L1 hits to probation 32 on the bundled trace
-(bench.l1_admission_bound) and changes nothing on multiturn:7; on docs:7 it gives 4 points back. Cold
+(bench.l1_admission_bound) and changes nothing on multiturn:7; on docs:7 it gives 4 points back. On the
+live rig it did not transfer (docs/perf/live_ab_lmcache_l1.md: neutral counted on the model, 8 points
+worse counted from the layer's reported occupancy), so the keeper runs it only when configured. Cold
 drops are not played into the simulated admission L1 (a plain LRU at full capacity that cannot model the
 watermark they work around, so it would only count their cost): the measured guard, on the layer's own
 counter, judges them.

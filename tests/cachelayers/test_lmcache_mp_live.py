@@ -381,7 +381,8 @@ def test_keeper_cold_chain_eviction_drops_the_coldest_admitted_chain_and_keeps_i
     n = [len(t) // 64 for t in toks]
     act = LMCacheMPActuator(HttpCaller(rig.server.url, timeout_s=10.0), model_name=rig.vllm.model_path)
     keeper = L1Keeper(act, chain_tokens=lambda h: toks[h], is_active=lambda: True,
-                      registry=CollectorRegistry(), delay_s=0.05, probation_chunks=64)  # fmt: skip
+                      registry=CollectorRegistry(), delay_s=0.05, probation_chunks=64,
+                      cold_fill=0.5)  # fmt: skip
     keeper.core.require_calibration = False
     keeper.core.acting = True
     for i, p in enumerate(prompts):
