@@ -138,7 +138,6 @@ class AdmissionCore:
         self._default = _Lru(self.capacity)
         self._admit = _Lru(self.capacity)
         self.hazard = ChainHazard() if self.cold_fill is not None else None
-        self._request = -1  # index of the latest request observed (the hazard's clock)
         # cold-chain eviction's model of the layer's L1 (oldest first) and the chunks dropped from it
         self.l1_model: OrderedDict[Hashable, None] = OrderedDict()
         self.dropped_keys: OrderedDict[Hashable, None] = OrderedDict()
@@ -209,7 +208,7 @@ class AdmissionCore:
             k, _ = self._probation.popitem(last=False)
             self._admit.discard(k)
             drop.append(k)
-        if self.hazard is not None and self.cold_fill is not None:
+        if self.hazard is not None:
             drop += self._drop_cold(keys, droppable, drop, continues)
         return drop if self.acting else []
 
@@ -231,9 +230,8 @@ class AdmissionCore:
         dropped comes back with the prefix through it); a chunk the layer's own LRU let go is served from L2
         without staying. ``dropped``: what this call already chose to drop."""
         assert self.hazard is not None and self.cold_fill is not None
-        if not continues:
-            self._request += 1
-        self.hazard.observe(self._request, keys, continues=continues)
+        # the hazard's clock counts requests: a prompt's prefill in pieces is one
+        self.hazard.observe(self.hazard.now + (0 if continues else 1), keys, continues=continues)
         l1, out = self.l1_model, self.dropped_keys
         before = len(l1)
         back = max((i for i, k in enumerate(keys) if k in out), default=-1)  # readmitted through here
