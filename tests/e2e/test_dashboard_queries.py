@@ -240,6 +240,18 @@ def drive_traffic(stack: Stack, seed: int = 0) -> int:
     return sent
 
 
+def complete_distinct(stack: Stack, seed: int) -> None:
+    """One completion of a prompt no other request shares: a vLLM miss, so a lookup LMCache counts."""
+    rng = random.Random(seed)
+    r = httpx.post(
+        stack.vllm.url + "/v1/completions",
+        json={"model": "tiny", "prompt": [rng.randrange(10, 500) for _ in range(650)], "max_tokens": 4,
+              "temperature": 0},
+        timeout=300,
+    )  # fmt: skip
+    r.raise_for_status()
+
+
 @dataclass
 class Result:
     query: lint.Query
@@ -308,6 +320,16 @@ def traffic(stack: Stack, prometheus: promlib.Prometheus) -> int:
     # needs two samples of the new series, so wait until Prometheus holds two of each
     for name in LATE_COUNTERS:
         prometheus.wait_until(f"min(count_over_time({name}[2m]))", lambda v: v >= 2, timeout_s=120)
+    # The lookup counters are born at the first lookup too, and a loaded LMCache may answer no scrape within
+    # the 1 s timeout while it stores and prefetches: Prometheus' first sample can then already hold all the
+    # traffic, the rate over the window is 0 and the lookup hit ratio 0/0 (seen once in CI). One more lookup
+    # once Prometheus holds the series puts an increase between two scraped samples.
+    requested = "lmcache_mp_lookup_requested_tokens_total"
+    prometheus.wait_until(f"min(count_over_time({requested}[2m]))", lambda v: v >= 2, timeout_s=120)
+    complete_distinct(stack, seed=1)
+    sent += 1
+    prometheus.wait_until(f"sum(increase({requested}[{VARS['__rate_interval']}]))", lambda v: v > 0,
+                          timeout_s=120)  # fmt: skip
     # the read-latency panel needs device reads inside a storage window; a warm page cache may leave the
     # machine without any, so make some (cold reads of a file on the watched tier path's disk, next to the L2
     # directory, outside the repository) until the sidecar saw them
