@@ -235,7 +235,7 @@ class AdmissionCore:
         l1, out = self.l1_model, self.dropped_keys
         before = len(l1)
         back = max((i for i, k in enumerate(keys) if k in out), default=-1)  # readmitted through here
-        for i, k in enumerate(keys):
+        for i, k in reversed(list(enumerate(keys))):  # the layer's LRU order: a chain's tail least recent
             if i <= back or k in l1 or droppable is None or k in droppable:
                 l1[k] = None
                 l1.move_to_end(k)

@@ -46,6 +46,10 @@ class LayerBehaviour:
       reservations drop their L2 locks and the load is re-planned on what was reserved; the look-up counts
       only what was loaded). With the watermark loop L1 is full between two runs of the loop, so at a
       fast pace L2 hits are lost.
+    - ``l1_hits_prefix_only``: the layer's look-up counter credits L1 with the leading run of the found
+      prefix that L1 holds; from the first chunk found only below L1 on, the rest of the found prefix counts
+      as that lower tier's, L1-held chunks included (LMCache MP ``modules/lookup.py``: ``l1_hit_tokens`` is
+      the prefix L1's own cells serve). Serving is unchanged: only ``layer_lookup_tokens`` follows it.
     """
 
     touch_whole_prompt: bool = False
@@ -55,6 +59,7 @@ class LayerBehaviour:
     l1_eviction_ratio: float = 0.2
     l1_eviction_interval_s: float = 1.0
     l2_loads_stage_in_l1: bool = False
+    l1_hits_prefix_only: bool = False
 
 
 class ResidencyObserver(Protocol):
@@ -242,7 +247,7 @@ class CacheLayer:
         for b in chain:
             self.freq[b] += 1
         layer_found = self._layer_prefix(chain)
-        for k, lt in enumerate(layer_found):
+        for k, lt in enumerate(self._credited(layer_found)):
             self.layer_lookup_tokens[lt.value] += min(block_tokens, max(0, input_tokens - k * block_tokens))
         tiers: list[Tier | None] = []
         for k, b in enumerate(chain):
@@ -286,6 +291,15 @@ class CacheLayer:
             assert t is not None
             self.hit_tokens[t.value] += min(block_tokens, max(0, input_tokens - k * block_tokens))
         return Lookup(tiers, n if hit_tok else 0, end, by_tier)
+
+    def _credited(self, found: list[Tier]) -> list[Tier]:
+        """The tier the layer's look-up counter credits with each chunk of its found prefix (see
+        ``l1_hits_prefix_only``)."""
+        if not self.bh.l1_hits_prefix_only or not self.lower:
+            return found
+        l1 = self.lower[0]
+        gap = next((k for k, t in enumerate(found) if t is not l1), len(found))
+        return found[:gap] + [found[gap] if t is l1 else t for t in found[gap:]]
 
     def _layer_prefix(self, chain: Sequence[int]) -> list[Tier]:
         """The layer's own look-up from the prompt's first block (HBM hits included): the first lower tier

@@ -108,7 +108,7 @@ _KNOWN = {
     "serving": {"concurrency", "token_budget", "time_scale", "closed_loop"},
     "trace": {"max_requests", "min_input_tokens"},
     "layer": {"touch_whole_prompt", "tail_first", "retain_l2_hits", "l1_watermark", "l1_eviction_ratio",
-              "l1_eviction_interval_s", "l2_loads_stage_in_l1"},
+              "l1_eviction_interval_s", "l2_loads_stage_in_l1", "l1_hits_prefix_only"},
 }  # fmt: skip
 
 
@@ -217,6 +217,7 @@ def parse_scenario(data: Mapping[str, Any], *, source: str = "<scenario>") -> Sc
         l1_eviction_ratio=_num(ly, "l1_eviction_ratio", f"{source}: layer", 0.2),
         l1_eviction_interval_s=_num(ly, "l1_eviction_interval_s", f"{source}: layer", 1.0),
         l2_loads_stage_in_l1=bool(ly.get("l2_loads_stage_in_l1", False)),
+        l1_hits_prefix_only=bool(ly.get("l1_hits_prefix_only", False)),
     )
     if behaviour.l1_watermark is not None and not 0 < behaviour.l1_watermark <= 1:
         raise ValueError(f"{source}: layer.l1_watermark must be in (0, 1]")

@@ -250,3 +250,16 @@ def test_cold_fill_counts_from_the_layers_observed_occupancy_not_the_model() -> 
     c.observe(["p45.0", "p45.1", "p45.2", "p45.3"])
     c.observe(["p45.0", "p45.1", "p45.2", "p45.3"])  # 4 more: 4 over the line
     assert c.cold_drops == before + 4
+
+
+def test_cold_fill_drops_a_chains_tail_before_its_head() -> None:
+    """The layer credits L1 only with the leading run of a prompt it holds (LMCache MP's look-up counter):
+    a chain cut at its head leaves its tail in L1 unused. So the model orders a chain as the layer's LRU
+    does, tail least recent, and a partial cold drop takes the tail first."""
+    c = AdmissionCore(100, probation=0, cold_fill=0.06)
+    chain = [f"c.{j}" for j in range(6)]
+    c.observe(chain)
+    c.observe(chain)  # second sight: admitted, 6 chunks, on the line (0.06 x 100)
+    assert c.cold_drops == 0
+    c.observe(["d.0", "d.1"])
+    assert c.observe(["d.0", "d.1"]) == ["c.5", "c.4"]  # 2 over the line: the older chain's tail

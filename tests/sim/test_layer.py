@@ -123,6 +123,25 @@ def test_layer_lookup_counts_the_whole_prompt_as_lmcache_does() -> None:
     assert layer.hit_tokens == {"gpu": 20}
 
 
+def test_l1_is_credited_only_with_the_prefix_it_serves_when_the_layer_counts_so() -> None:
+    """LMCache MP credits L1 with the leading run of the found prefix L1 holds: past a chunk found only in
+    L2, an L1-held chunk counts as an L2 hit (what its ``lmcache_mp_lookup_hit_l1_tokens_total`` reports)."""
+
+    def run(prefix_only: bool) -> dict[str, int]:
+        bh = LayerBehaviour(l1_hits_prefix_only=prefix_only)
+        layer = CacheLayer(_tiers(gpu=1, cpu=8, disk=8), BB, behaviour=bh)
+        _serve(layer, [1, 2, 3])
+        _serve(layer, [9])  # HBM (one block) now holds 9 only
+        layer.evict(2, Tier.CPU)  # 2 is left in L2 only: L1 holds 1 and 3
+        before = dict(layer.layer_lookup_tokens)
+        assert _serve(layer, [1, 2, 3]) == [Tier.CPU, Tier.DISK, Tier.CPU]  # serving is the same either way
+        after = layer.layer_lookup_tokens
+        return {t: n - before.get(t, 0) for t, n in after.items() if n != before.get(t, 0)}
+
+    assert run(False) == {"cpu": 20, "disk": 10}
+    assert run(True) == {"cpu": 10, "disk": 20}
+
+
 def test_touch_whole_prompt_keeps_chunks_hbm_served_in_l1() -> None:
     def run(touch: bool) -> bool:
         layer = CacheLayer(_tiers(gpu=4, cpu=4), BB, behaviour=LayerBehaviour(touch_whole_prompt=touch))
