@@ -89,9 +89,11 @@ def simulate(
     pace_s: float = 0.25,
     prefetch_budget: int = 0,
     by_turn: bool = False,
+    hold_s: float = 0.0,
 ) -> BoundRow:
     """``policy`` in ``default``, ``second-sight``, ``probation``, ``oracle``, ``hazard``,
-    ``oracle-prefetch`` (see the module doc)."""
+    ``oracle-prefetch`` (see the module doc). ``hold_s``: simulated seconds from the start in which the
+    policy decides but does not act (the keeper's calibration in shadow)."""
     layer = make_layer(sc, offload=True)
     chains = [[int(x) for x in r.hash_ids] for r in reqs]
     nxt = next_use(chains) if policy == "oracle" else []
@@ -124,6 +126,8 @@ def simulate(
         elif policy == "oracle":
             victims = [b for b in new if nxt[i][b] == NEVER]
         else:
+            victims = []
+        if layer.now < hold_s:  # the keeper's calibration: decisions made, none acted
             victims = []
         if policy == "hazard":
             hazard.observe(i, chain)
@@ -181,22 +185,34 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument(
         "--prefetch-budgets", default="", help="comma-separated L1 budgets (chunks) of hazard prefetch rows"
     )
+    ap.add_argument(
+        "--hold-s",
+        type=float,
+        default=20.0,
+        help="seconds the policies do not act at the start: the keeper's calibration in shadow (2 x 10 s)",
+    )
     a = ap.parse_args(argv)
     sc = load_scenario("cpu-tiny")
     reqs = sim_requests(load_workload(a.workload, a.requests))
-    rows = [simulate(sc, reqs, "default", pace_s=a.pace), simulate(sc, reqs, "second-sight", pace_s=a.pace)]
-    rows += [simulate(sc, reqs, "probation", probation=int(p), pace_s=a.pace) for p in a.probation.split(",")]
+    rows = [
+        simulate(sc, reqs, "default", pace_s=a.pace, hold_s=a.hold_s),
+        simulate(sc, reqs, "second-sight", pace_s=a.pace, hold_s=a.hold_s),
+    ]
     rows += [
-        simulate(sc, reqs, "probation", probation=int(p), cold_fill=float(f), pace_s=a.pace)
+        simulate(sc, reqs, "probation", probation=int(p), pace_s=a.pace, hold_s=a.hold_s)
+        for p in a.probation.split(",")
+    ]
+    rows += [
+        simulate(sc, reqs, "probation", probation=int(p), cold_fill=float(f), pace_s=a.pace, hold_s=a.hold_s)
         for p in a.probation.split(",")
         for f in a.cold_fill.split(",")
         if f
     ]
     budgets = [int(b) for b in a.prefetch_budgets.split(",") if b]
-    rows += [simulate(sc, reqs, "hazard", prefetch_budget=b, pace_s=a.pace) for b in budgets]
+    rows += [simulate(sc, reqs, "hazard", prefetch_budget=b, pace_s=a.pace, hold_s=a.hold_s) for b in budgets]
     if budgets:
-        rows.append(simulate(sc, reqs, "oracle-prefetch", pace_s=a.pace))
-    rows.append(simulate(sc, reqs, "oracle", pace_s=a.pace))
+        rows.append(simulate(sc, reqs, "oracle-prefetch", pace_s=a.pace, hold_s=a.hold_s))
+    rows.append(simulate(sc, reqs, "oracle", pace_s=a.pace, hold_s=a.hold_s))
     base = max(1, rows[0].l1_hit_tokens)
     print(f"{a.workload}, {len(reqs)} requests, L1 {sc.tiers[1].capacity_blocks} chunks, pace {a.pace} s")
     print(f"{'policy':24s} {'L1-hit tokens':>14s} {'vs default':>10s} {'L2-hit tokens':>14s} {'drops':>7s} "
