@@ -29,7 +29,10 @@ tokens per policy against the layer's default:
 It also prints what the oracle knows that a causal policy would need: the reuse rate of first-sight chunks
 by the features the layer sees at store time (position in the prompt, prefix hit depth). Flat rates mean
 no store-time feature separates reused from single-use chunks. Requests are paced ``--pace`` s apart (the
-live bench's closed loop runs at about one request per 0.2-0.3 s here).
+live bench's closed loop runs at about one request per 0.2-0.3 s here). For the first ``--hold-s`` seconds
+the policies decide but do not act, as the keeper sits in shadow until its measured guard is calibrated
+(2 x 10 s): acting from a cold start empties L1 while nothing is reused yet, which cost the simulator
+about 5 points of probation's live gain before it modelled the hold.
 Record: docs/perf/live_ab_lmcache_l1.md.
 
     python -m bench.l1_admission_bound --requests 1000          # ~20 s

@@ -108,7 +108,7 @@ class L1Keeper:
         capacity_chunks: int = 256,
         window: int = 512,
         delay_s: float = 0.5,
-        probation_chunks: int = 8,
+        probation_chunks: int = 32,
         cold_fill: float | None = None,
         verify_deadline_s: float = 15.0,
         max_batch: int = 256,

@@ -353,7 +353,7 @@ class LMCacheL1Settings(_Section):
     )
     window: int = Field(default=512, ge=1, description="chunk sightings per guard window")
     probation_chunks: int = Field(
-        default=8, ge=0,
+        default=32, ge=0,
         description="first-sight chunks that wait in L1 before the oldest not seen again is dropped; 0 = drop"
         " each first-sight chunk delay_s after its store",
     )  # fmt: skip

@@ -9,10 +9,10 @@ age over chain-requests spent at that age -- both counted from the past only, so
 
 Why by age and not by recency: in a conversation trace the next turn comes back after tens to hundreds of
 requests (the user reads and types), so a chain used a moment ago is *less* likely to be needed next than
-one in the think-time peak; an LRU keeps the former and drops the latter. In the calibrated simulator of
-LMCache MP's L1 (``bench.l1_admission_bound``) ranking L1 evictions by this rate instead of recency raises
-L1 hits by 7-8 points over probation admission alone on the bundled conversation trace; on the live
-rig it did not (docs/perf/live_ab_lmcache_l1.md), so the keeper uses it only when configured.
+one in the think-time peak; an LRU keeps the former and drops the latter. Ranking LMCache MP's L1
+evictions by this rate instead of recency did not pay on the live rig, and does not in the calibrated
+simulator once it models the keeper's calibration hold (``bench.l1_admission_bound``;
+docs/perf/live_ab_lmcache_l1.md), so the keeper uses it only when configured.
 
 Units: requests (ages, bins), chunks (chains). Keys are any hashable chunk identifiers. Memory is bounded:
 ``max_age`` requests of live chains, ``max_keys`` last users.

@@ -16,18 +16,19 @@ Probation (``probation`` > 0, chunks): a first-sight chunk is not dropped at onc
 the meantime (the small FIFO of S3-FIFO). Why: a chunk reused soon after its store (the next turn of a busy
 conversation) keeps its L1 hit, and the wait is counted in chunks, not seconds, so it does not stretch or
 shrink with the request rate -- a wait in seconds let first-sight chunks fill L1 at a fast pace (in the
-calibrated simulator, probation 16 gives +15 % L1 hits at 10 requests/s where dropping at once gives +2 %).
+calibrated simulator with the keeper's calibration hold, probation 32 gives +5.4 % L1 hits at 20
+requests/s where dropping at once gives +1.2 %).
 
 Cold-chain eviction (``cold_fill``, a share of capacity): the layer's own LRU decides which admitted chunks
 leave L1 when it passes its watermark, by recency. In a conversation trace the next turn comes back after
 the user's think time, so recency ranks a chain in its think-time peak below one just used. With
 ``cold_fill`` the core keeps a model of what the layer's L1 holds and, while it is fuller than ``cold_fill``
 x capacity, also drops the chunks least likely needed next by
-:class:`~kvtier.policies.chain_hazard.ChainHazard` (continuation rate by chain age, learned online). In the
-calibrated simulator this adds 7-8 points of L1 hits to probation 32 on the bundled trace
-(bench.l1_admission_bound) and changes nothing on multiturn:7; on docs:7 it gives 4 points back. On the
-live rig it did not transfer (docs/perf/live_ab_lmcache_l1.md: neutral counted on the model, 8 points
-worse counted from the layer's reported occupancy), so the keeper runs it only when configured. Cold
+:class:`~kvtier.policies.chain_hazard.ChainHazard` (continuation rate by chain age, learned online). It
+does not pay: on the live rig it was neutral counted on the model and 8 points worse counted from the
+layer's reported occupancy, and the calibrated simulator, once it models the keeper's calibration hold,
+agrees (5 points worse than probation 32 on the bundled trace; docs/perf/live_ab_lmcache_l1.md). The
+keeper runs it only when configured. Cold
 drops are not played into the simulated admission L1 (a plain LRU at full capacity that cannot model the
 watermark they work around, so it would only count their cost): the measured guard, on the layer's own
 counter, judges them.

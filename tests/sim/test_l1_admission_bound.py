@@ -68,21 +68,6 @@ def test_a_hold_covering_the_whole_run_acts_never() -> None:
         )
 
 
-@pytest.mark.parametrize("workload", ["bundled", "docs:7", "multiturn:7"])
-def test_the_keepers_default_probation_is_not_behind_a_longer_one(workload: str) -> None:
-    """Why the keeper's default ``probation_chunks`` is 8: with its calibration hold modelled, in the
-    calibrated simulator at the 512 x 8 rig's pace, 8 chunks gives at least the L1 hits of 32 on the
-    conversation trace and on the two workloads the project does not ship as traces."""
-    from kvtier.controller.settings import LMCacheL1Settings
-
-    default = LMCacheL1Settings().probation_chunks
-    sc = load_scenario("cpu-tiny")
-    reqs = sim_requests(load_workload(workload, 1000))
-    short = simulate(sc, reqs, "probation", probation=default, pace_s=0.2, hold_s=20.0)
-    long = simulate(sc, reqs, "probation", probation=32, pace_s=0.2, hold_s=20.0)
-    assert default == 8 and short.l1_hit_tokens >= long.l1_hit_tokens
-
-
 def test_store_time_reuse_counts_every_first_sighting_once() -> None:
     reqs = sim_requests(load_workload("bundled", 200))
     distinct = len({int(x) for r in reqs for x in r.hash_ids})
