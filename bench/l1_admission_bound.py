@@ -46,6 +46,7 @@ import argparse
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from bench.calibrate_sim import sim_requests
 from bench.live_ab import load_workload
@@ -197,25 +198,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     a = ap.parse_args(argv)
     sc = load_scenario("cpu-tiny")
     reqs = sim_requests(load_workload(a.workload, a.requests))
-    rows = [
-        simulate(sc, reqs, "default", pace_s=a.pace, hold_s=a.hold_s),
-        simulate(sc, reqs, "second-sight", pace_s=a.pace, hold_s=a.hold_s),
-    ]
+    run = partial(simulate, sc, reqs, pace_s=a.pace, hold_s=a.hold_s)
+    rows = [run("default"), run("second-sight")]
+    rows += [run("probation", probation=int(p)) for p in a.probation.split(",")]
     rows += [
-        simulate(sc, reqs, "probation", probation=int(p), pace_s=a.pace, hold_s=a.hold_s)
-        for p in a.probation.split(",")
-    ]
-    rows += [
-        simulate(sc, reqs, "probation", probation=int(p), cold_fill=float(f), pace_s=a.pace, hold_s=a.hold_s)
+        run("probation", probation=int(p), cold_fill=float(f))
         for p in a.probation.split(",")
         for f in a.cold_fill.split(",")
         if f
     ]
     budgets = [int(b) for b in a.prefetch_budgets.split(",") if b]
-    rows += [simulate(sc, reqs, "hazard", prefetch_budget=b, pace_s=a.pace, hold_s=a.hold_s) for b in budgets]
+    rows += [run("hazard", prefetch_budget=b) for b in budgets]
     if budgets:
-        rows.append(simulate(sc, reqs, "oracle-prefetch", pace_s=a.pace, hold_s=a.hold_s))
-    rows.append(simulate(sc, reqs, "oracle", pace_s=a.pace, hold_s=a.hold_s))
+        rows.append(run("oracle-prefetch"))
+    rows.append(run("oracle"))
     base = max(1, rows[0].l1_hit_tokens)
     print(f"{a.workload}, {len(reqs)} requests, L1 {sc.tiers[1].capacity_blocks} chunks, pace {a.pace} s")
     print(f"{'policy':24s} {'L1-hit tokens':>14s} {'vs default':>10s} {'L2-hit tokens':>14s} {'drops':>7s} "
