@@ -19,13 +19,16 @@ way as the probation drops (L2 copy verified, one ``DELETE`` per batch, readmitt
 
 What the layer can and cannot tell (reported in ``status()``): L2 residency per key is verified (``fs``
 files); L1 residency per key is not observable (LMCache MP exposes counts only), so the keeper never
-assumes a chunk is in L1 -- a delete that finds nothing is counted ``skipped``, and the L1 capacity used by
-the counterfactual is the largest L1 object count ``/status`` reported.
+assumes a chunk is in L1 -- a delete that finds nothing is counted ``skipped``, one that L1 refuses because
+the chunk is locked (its L2 write or a read still under way) is sent again ``delay_s`` later until
+``verify_deadline_s`` (counted ``locked`` per refusal), and the L1 capacity used by the counterfactual is the
+largest L1 object count ``/status`` reported.
 
 Work happens on one worker thread (never inside the reconcile tick). Outcomes go to
 ``kvtier_actuations_total{layer="lmcache-mp", action="l1_admission"}``; the guard exports
 ``kvtier_guard_trips_total``, ``kvtier_guard_resumes_total``, ``kvtier_guard_windows_total{verdict}`` and
-``kvtier_guard_acting`` (1 = acting, 0 = held in shadow).
+``kvtier_guard_acting`` (1 = acting, 0 = held in shadow); refusals of locked chunks go to
+``kvtier_l1_keeper_locked_refusals_total``.
 
 With ``engine_ttft`` (vLLM's cumulative TTFT histogram ``_sum`` / ``_count``, read once per measurement
 period) a second guard judges the cost the operator sees: :class:`~kvtier.policies.latency_guard.LatencyGuard`
@@ -44,6 +47,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -94,6 +98,17 @@ class GuardMetrics:
                        registry=registry)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class _LockedRetry:
+    """A ``DELETE`` batch to send again: ``locked`` of its ``keys`` were locked in L1 at the last try."""
+
+    keys: tuple[ObjectKey, ...]
+    locked: int
+
+
+_Due = ObjectKey | tuple[int, ...] | _LockedRetry  # a drop, a readmission (token prefix), a retry
+
+
 class L1Keeper:
     """See module doc. ``is_active`` says whether the sidecar's mode is ``active``."""
 
@@ -130,6 +145,11 @@ class L1Keeper:
         )
         self._core_lock = threading.Lock()  # observe (ingest thread) vs measure (worker)
         self.metrics = GuardMetrics(registry)
+        self.locked_refusals = Counter(
+            "kvtier_l1_keeper_locked_refusals",
+            "L1 drops LMCache refused because the chunk was locked (one per refusal; the batch goes again).",
+            registry=registry,
+        )
         self.metrics.acting.set(1)
         self.engine_ttft = engine_ttft
         self.latency = LatencyGuard() if engine_ttft is not None else None
@@ -143,8 +163,8 @@ class L1Keeper:
         self.clock = clock
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
-        # (due, seq, give-up time, chunk key to drop | token prefix to load into L1)
-        self._due: list[tuple[float, int, float, ObjectKey | tuple[int, ...]]] = []
+        # (due, seq, give-up time, chunk key to drop | token prefix to load into L1 | batch to send again)
+        self._due: list[tuple[float, int, float, _Due]] = []
         self._seq = 0
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -159,6 +179,7 @@ class L1Keeper:
                 "applied",
                 "skipped",
                 "failed",
+                "locked",
                 "would_drop",
                 "unmapped_events",
                 "readmitted",
@@ -261,18 +282,31 @@ class L1Keeper:
             with self._cv:
                 if self._stop:
                     return
-                now = self.clock()
-                items: list[tuple[float, int, float, ObjectKey | tuple[int, ...]]] = []
-                while self._due and self._due[0][0] <= now and len(items) < self.max_batch:
-                    items.append(heapq.heappop(self._due))
+                items = self._pop_due()
                 if not items:
+                    now = self.clock()
                     wait = min(
                         self._due[0][0] - now if self._due else self.status_every_s, self.status_every_s
                     )
                     self._cv.wait(timeout=max(wait, 0.01))
             self.step(items)
 
-    def step(self, items: Sequence[tuple[float, int, float, ObjectKey | tuple[int, ...]]] = ()) -> None:
+    def _pop_due(self) -> list[tuple[float, int, float, _Due]]:
+        """Up to ``max_batch`` items due at ``clock()`` (caller holds ``_cv``)."""
+        now = self.clock()
+        items: list[tuple[float, int, float, _Due]] = []
+        while self._due and self._due[0][0] <= now and len(items) < self.max_batch:
+            items.append(heapq.heappop(self._due))
+        return items
+
+    def run_due(self) -> None:
+        """One worker step over what is due at ``clock()``, on the caller's thread (a test with an injected
+        clock drives the keeper this way instead of starting the worker)."""
+        with self._cv:
+            items = self._pop_due()
+        self.step(items)
+
+    def step(self, items: Sequence[tuple[float, int, float, _Due]] = ()) -> None:
         """One worker step at ``clock()``: the layer's capacity and the guards' periods when due, then the due
         ``items``. Each part survives the others' failures (a bad ``/status`` reply must not stop the guards).
         The worker thread calls it; so can a test with an injected clock."""
@@ -362,43 +396,91 @@ class L1Keeper:
                 log.warning("guard: calibrated, but the simulated L1s say admission loses here; shadow")
             self._sync_guard()
 
-    def _handle(self, items: Sequence[tuple[float, int, float, ObjectKey | tuple[int, ...]]]) -> None:
+    def _handle(self, items: Sequence[tuple[float, int, float, _Due]]) -> None:
         """Readmissions one by one; the due drops whose L2 copy is verified in one ``DELETE`` (one round trip
-        per batch instead of per chunk: each call costs the layer's HTTP server CPU the engine shares)."""
+        per batch instead of per chunk: each call costs the layer's HTTP server CPU the engine shares); a
+        batch some of whose keys L1 refused as locked is sent again ``delay_s`` later (see ``_delete``)."""
         v = self.act.verifier()
         drops: list[ObjectKey] = []
         for _, _, give_up, key in items:
             if isinstance(key, tuple):
                 self._readmit(key)
+            elif isinstance(key, _LockedRetry):
+                self._retry_locked(key, give_up)
             elif v is not None and v.has_copy(key):
                 drops.append(key)
             elif v is not None and self.clock() < give_up:
-                with self._cv:
-                    self._seq += 1
-                    heapq.heappush(self._due, (self.clock() + self.delay_s, self._seq, give_up, key))
+                self._push(self.clock() + self.delay_s, give_up, key)
             else:
                 self._count("skipped")
-        if not drops:
+        if drops:
+            self._delete(drops, give_up=max(g for _, _, g, _ in items))
+
+    def _push(self, due: float, give_up: float, item: _Due) -> None:
+        with self._cv:
+            self._seq += 1
+            heapq.heappush(self._due, (due, self._seq, give_up, item))
+            self._cv.notify()
+
+    def _delete(self, drops: list[ObjectKey], *, give_up: float) -> None:
+        """One ``DELETE`` tier ``l1`` of ``drops`` (first attempt). LMCache refuses a key that is read- or
+        write-locked -- a chunk whose L2 write or a look-up's read is still under way -- and replies with
+        counts only (``deleted``, ``skipped`` = locked), not which keys; so when some were locked the whole
+        batch goes again ``delay_s`` later (a delete of a key L1 no longer holds is a no-op), until
+        ``give_up``. A key neither deleted nor locked was no longer in L1 (the layer evicted it): skipped."""
+        counts = self._delete_call(drops, pending=len(drops))
+        if counts is None:
             return
-        if not self.is_active() or not self.core.acting:
-            self._count("skipped", n=len(drops))
-            return
-        reply, _ = self.act.caller.request(
-            "DELETE", "/cache/objects", {"keys": [k.encoded() for k in drops], "tier": "l1"}
-        )
-        if reply.status != 200 or not isinstance(reply.body, dict):
-            self._count("failed", n=len(drops))
-            return
-        # the reply counts deletions, not which keys: a key L1 no longer held is a skip
-        deleted = min(max(int(reply.body.get("deleted", 0)), 0), len(drops))
+        deleted, locked = counts
         self._count("applied", n=deleted)
-        self._count("skipped", n=len(drops) - deleted)
-        # a key the layer had already evicted is marked too: its second sight readmits it all the same
-        if deleted:
+        self._count("skipped", n=len(drops) - deleted - locked)
+        # every key is marked, the ones the layer had already evicted too: their second sight readmits them
+        with self._cv:
             for k in drops:
                 self._dropped[k.chunk_hash_hex] = None
             while len(self._dropped) > self._dropped_max:
                 self._dropped.popitem(last=False)
+        self._after_locked(tuple(drops), locked, give_up)
+
+    def _retry_locked(self, retry: _LockedRetry, give_up: float) -> None:
+        """Send a batch again for its ``locked`` keys. Keys seen again since (readmitted: no longer marked
+        dropped) are left out; so are all of them once the guards stop the keeper acting."""
+        with self._cv:
+            keys = [k for k in retry.keys if k.chunk_hash_hex in self._dropped]
+        counts = self._delete_call(keys, pending=retry.locked) if keys else (0, 0)
+        if counts is None:
+            return
+        deleted, locked = min(counts[0], retry.locked), min(counts[1], retry.locked)
+        self._count("applied", n=deleted)
+        self._count("skipped", n=retry.locked - deleted - locked)  # evicted or seen again meanwhile
+        self._after_locked(tuple(keys), locked, give_up)
+
+    def _after_locked(self, keys: tuple[ObjectKey, ...], locked: int, give_up: float) -> None:
+        if locked <= 0:
+            return
+        self.counts["locked"] += locked
+        self.locked_refusals.inc(locked)
+        if self.clock() + self.delay_s < give_up:
+            self._push(self.clock() + self.delay_s, give_up, _LockedRetry(keys, locked))
+        else:
+            self._count("skipped", n=locked)
+
+    def _delete_call(self, keys: list[ObjectKey], *, pending: int) -> tuple[int, int] | None:
+        """``(deleted, locked)`` of one ``DELETE /cache/objects`` tier ``l1``, both clamped to ``len(keys)``;
+        None when the keeper may not act now or the call failed: the ``pending`` keys whose outcome was
+        still open are then counted ``skipped`` or ``failed``."""
+        if not self.is_active() or not self.core.acting:
+            self._count("skipped", n=pending)
+            return None
+        reply, _ = self.act.caller.request(
+            "DELETE", "/cache/objects", {"keys": [k.encoded() for k in keys], "tier": "l1"}
+        )
+        if reply.status != 200 or not isinstance(reply.body, dict):
+            self._count("failed", n=pending)
+            return None
+        deleted = min(max(int(reply.body.get("deleted", 0)), 0), len(keys))
+        locked = min(max(int(reply.body.get("skipped", 0)), 0), len(keys) - deleted)
+        return deleted, locked
 
     def _latency_acts(self) -> bool:
         return self.latency is None or self.latency.acts_now()

@@ -514,12 +514,17 @@ CPU = "process_cpu_seconds_total"  # the sidecar's own CPU (prometheus_client's 
 
 
 def _sidecar_counters(url: str | None) -> dict[str, float]:
-    """The sidecar's guard counters and its process CPU seconds (``CPU``; NaN when not exported); {} without
-    a sidecar. Why the CPU: on a host the engine shares, it is the sidecar's presence cost."""
+    """The sidecar's guard and L1-keeper counters and its process CPU seconds (``CPU``; NaN when not
+    exported); {} without a sidecar. Why the CPU: on a host the engine shares, it is the sidecar's presence
+    cost."""
     if not url:
         return {}
     c = scrape_counters(url)
-    out = {k: v for k, v in c.items() if k.startswith("kvtier_guard_") and k.endswith("_total")}
+    out = {
+        k: v
+        for k, v in c.items()
+        if k.startswith(("kvtier_guard_", "kvtier_l1_keeper_")) and k.endswith("_total")
+    }
     out[CPU] = c.get(CPU, math.nan)
     for name, label in (("kvtier_guard_windows_total", "verdict"), ("kvtier_guard_measured_periods_total",
                         "verdict"), ("kvtier_guard_latency_periods_total", "why")):  # fmt: skip
