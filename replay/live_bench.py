@@ -17,6 +17,11 @@ Hit tokens by source (all deltas over one run, tokens):
   (``lmcache_mp_lookup_hit_l{1,2}_tokens``);
 - ``hit_tokens_total`` = gpu + external; ``recomputed_tokens`` = prompt tokens - hit_tokens_total.
 
+Also per run: ``cache_layer_cpu_s`` and ``engine_api_cpu_s``, the CPU seconds of the cache layer's server and
+of the engine's API server process (their ``process_cpu_seconds_total``; the engine core and workers are
+other processes), and the sidecar's own (``sidecar_cpu_s_per_1k_requests``): on a host the engine shares,
+what the sidecar and the work its calls cause in the peers cost.
+
 Statistics: TTFT CIs are two-stage percentile bootstraps (an arm's runs, then the requests of each drawn
 run), because the host drifts between runs and a run's requests share its minutes; with one run per arm
 they are request-level and blind to drift. Counter CIs are bootstraps over runs (a single run gives a
@@ -29,6 +34,7 @@ import asyncio
 import json
 import math
 import shlex
+import statistics
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -311,6 +317,10 @@ def counter_deltas(
         # stores a full L1 refused, and L2 hits lost for want of L1 staging room (or contention)
         "l1_allocation_failure_chunks": _d(lmc1, lmc0, "lmcache_mp_l1_allocation_failure_chunks_total"),
         "l2_prefetch_failure_chunks": _d(lmc1, lmc0, "lmcache_mp_l2_prefetch_failure_chunks_total"),
+        # CPU seconds of the cache layer's server and the engine's API server process (each exports its own
+        # process collector): what a sidecar's calls cost the peers it talks to
+        "cache_layer_cpu_s": _d(lmc1, lmc0, CPU),
+        "engine_api_cpu_s": _d(eng1, eng0, CPU),
     }
 
 
@@ -510,7 +520,7 @@ def run_once(
     )
 
 
-CPU = "process_cpu_seconds_total"  # the sidecar's own CPU (prometheus_client's process collector)
+CPU = "process_cpu_seconds_total"  # a process's own CPU seconds (prometheus_client's process collector)
 
 
 def _sidecar_counters(url: str | None) -> dict[str, float]:
@@ -533,6 +543,7 @@ def _sidecar_counters(url: str | None) -> dict[str, float]:
     return out
 
 
+RUN_FIELDS = ("l2_prefetch_chunks", "cache_layer_cpu_s", "engine_api_cpu_s")  # per run, no ratio
 HIT_FIELDS = ("hit_tokens_total", "gpu_hit_tokens", "external_hit_tokens", "l1_hit_tokens", "l2_hit_tokens",
               "recomputed_tokens")  # fmt: skip
 
@@ -544,7 +555,7 @@ def summarize(runs: Sequence[RunResult], baseline: Sequence[RunResult] | None = 
     n_req = sum(len(r.ttft_s) + r.failed for r in runs)
     wall = sum(r.wall_s for r in runs)
     tok = sum(r.prompt_tokens_sent for r in runs)
-    per_run = {f: [r.counters.get(f, 0.0) for r in runs] for f in (*HIT_FIELDS, "l2_prefetch_chunks")}
+    per_run = {f: [r.counters.get(f, 0.0) for r in runs] for f in (*HIT_FIELDS, *RUN_FIELDS)}
     tput = [r.prompt_tokens_sent / r.wall_s for r in runs if r.wall_s > 0]
     a = np.asarray(ttft) if ttft else np.asarray([math.nan])
     out: dict[str, Any] = {
@@ -633,6 +644,8 @@ def render_table(arms: dict[str, dict[str, Any]]) -> Any:
         ("LMCache L2 hit tok", "l2_hit_tokens", "{:.0f}"),
         ("recomputed tok", "recomputed_tokens", "{:.0f}"),
         ("L2 prefetch chunks", "l2_prefetch_chunks", "{:.0f}"),
+        ("cache layer CPU s", "cache_layer_cpu_s", "{:.1f}"),
+        ("engine API CPU s", "engine_api_cpu_s", "{:.1f}"),
         ("sidecar CPU s/1k req", "sidecar_cpu_s_per_1k_requests", "{:.2f}"),
     ]
     for label, key, fmt in rows:
@@ -706,6 +719,8 @@ def run_bench(plan: BenchPlan, progress: Any = None) -> dict[str, Any]:
             done = (lambda: progress.advance(task)) if progress else (lambda: None)
             r = run_once(arm, t, plan.reqs, concurrency=plan.concurrency, on_done=done)
             runs[arm].append(r)
+            if progress is not None:  # a line per run: in a terminal above the bar, in a log file on its own
+                progress.console.print(run_line(i, len(order), r), highlight=False)
         finally:
             if side:
                 side.stop()
@@ -714,6 +729,18 @@ def run_bench(plan: BenchPlan, progress: Any = None) -> dict[str, Any]:
     base = runs.get("baseline") or None
     arms = {a: summarize(rs, base if a != "baseline" else None) for a, rs in runs.items()}
     return {"arms": arms, "order": order, "requests_per_run": len(plan.reqs)}
+
+
+def run_line(i: int, n_runs: int, r: RunResult) -> str:
+    """One finished run in one line (run ``i`` of ``n_runs``, 0-based): what a long bench logs as it goes, so
+    that a bench under ``nohup`` (no terminal: the progress bar draws nothing) still shows where it is."""
+    ttft = statistics.fmean(r.ttft_s) if r.ttft_s else math.nan
+    c = r.counters
+    return (
+        f"run {i + 1}/{n_runs} {r.arm}: {len(r.ttft_s)} requests ({r.failed} failed) in {r.wall_s:.0f} s,"
+        f" TTFT mean {ttft:.3f} s, hit tokens {c.get('hit_tokens_total', 0):.0f}"
+        f" (L1 {c.get('l1_hit_tokens', 0):.0f}, L2 {c.get('l2_hit_tokens', 0):.0f})"
+    )
 
 
 def to_json(result: dict[str, Any]) -> str:

@@ -21,6 +21,7 @@ from kvtier.replay.live_bench import (
     prompt_cap,
     run_bootstrap_ci,
     run_bootstrap_ratio_ci,
+    run_line,
     summarize,
     to_json,
 )
@@ -147,8 +148,11 @@ def test_counter_deltas_split_hits_by_source() -> None:
           "vllm:external_prefix_cache_hits_total": 5}  # fmt: skip
     e1 = {"vllm:prompt_tokens_total": 1100, "vllm:prefix_cache_hits_total": 210,
           "vllm:external_prefix_cache_hits_total": 305}  # fmt: skip
-    l1 = {"lmcache_mp_lookup_hit_l1_tokens_total": 640, "lmcache_mp_lookup_hit_l2_tokens_total": 128}
-    d = counter_deltas(e0, e1, {}, l1)
+    l1 = {"lmcache_mp_lookup_hit_l1_tokens_total": 640, "lmcache_mp_lookup_hit_l2_tokens_total": 128,
+          "process_cpu_seconds_total": 41.5}  # fmt: skip
+    d = counter_deltas({**e0, "process_cpu_seconds_total": 3.0}, {**e1, "process_cpu_seconds_total": 4.25},
+                       {"process_cpu_seconds_total": 40.0}, l1)  # fmt: skip
+    assert d["cache_layer_cpu_s"] == 1.5 and d["engine_api_cpu_s"] == 1.25
     assert d["gpu_hit_tokens"] == 200 and d["external_hit_tokens"] == 300
     assert d["hit_tokens_total"] == 500 and d["recomputed_tokens"] == 500
     assert d["l1_hit_tokens"] == 640 and d["l2_hit_tokens"] == 128
@@ -213,6 +217,16 @@ def test_sidecar_cpu_is_read_from_its_metrics_and_reported_per_thousand_requests
 def test_interleave_rotates_arm_order() -> None:
     assert interleave(["baseline", "active"], 3) == ["baseline", "active", "active", "baseline", "baseline",
                                                      "active"]  # fmt: skip
+
+
+def test_a_finished_run_is_one_line_with_its_place_arm_ttft_and_hits() -> None:
+    hits = {"hit_tokens_total": 640.0, "l1_hit_tokens": 448.0, "l2_hit_tokens": 192.0}
+    r = RunResult(arm="active", ttft_s=[0.1, 0.3], failed=1, wall_s=181.4, counters=hits)
+    line = run_line(2, 6, r)
+    assert "\n" not in line
+    assert line == ("run 3/6 active: 2 requests (1 failed) in 181 s, TTFT mean 0.200 s, hit tokens 640"
+                    " (L1 448, L2 192)")  # fmt: skip
+    assert "TTFT mean nan s" in run_line(0, 1, RunResult(arm="baseline"))  # no request answered
 
 
 def test_bench_request_is_plain_data() -> None:
