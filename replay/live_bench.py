@@ -720,7 +720,7 @@ def run_bench(plan: BenchPlan, progress: Any = None) -> dict[str, Any]:
             r = run_once(arm, t, plan.reqs, concurrency=plan.concurrency, on_done=done)
             runs[arm].append(r)
             if progress is not None:  # a line per run: in a terminal above the bar, in a log file on its own
-                progress.console.print(run_line(i, len(order), r), highlight=False)
+                progress.console.print(run_line(i, len(order), r), highlight=False, soft_wrap=True)
         finally:
             if side:
                 side.stop()
