@@ -42,6 +42,12 @@ START = "process_start_time_seconds"
 
 COUNTERS = (C_PROMPT, C_GEN, C_PC_Q, C_PC_H, C_EPC_Q, C_EPC_H, C_CACHED, C_PREEMPT)
 HISTOGRAMS = (H_TTFT, H_ITL, H_E2E)
+# the sample names read; the parser skips the rest (a live scrape is ~650 lines, most of them histograms
+# this collector does not read)
+READ_SAMPLES = frozenset(
+    {*COUNTERS, C_CACHED_SRC, G_KV, G_RUN, G_WAIT, START}
+    | {h + suffix for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
+)
 EXPECTED_FAMILIES = frozenset(
     {
         "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
@@ -191,7 +197,7 @@ class VllmMetricsParser:
     start_time: float | None = None
 
     def parse(self, text: str, now: float) -> VllmMetricsObservation:
-        p = parse_families(text)
+        p = parse_families(text, keep=READ_SAMPLES)
         fams = {n for n in p.types if n.startswith("vllm:") and not n.endswith("_created")}
         if not fams and p.broken_blocks == 0:
             raise ValueError("no vllm: metric families in /metrics")

@@ -19,7 +19,13 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvtier.collectors.vllm_metrics import EngineSample, VllmMetricsCollector, VllmMetricsParser
+from kvtier.collectors.promtext import parse_families
+from kvtier.collectors.vllm_metrics import (
+    READ_SAMPLES,
+    EngineSample,
+    VllmMetricsCollector,
+    VllmMetricsParser,
+)
 from tests.collectors.vllm_text import E2E_LE, HIST, ITL_LE, TTFT_LE, EngineState, ref_quantile, render
 from tests.peers.http_server import MetricsText, metrics_text_handler, serving
 
@@ -349,6 +355,22 @@ def test_real_vllm_032_text_has_no_unknown_or_missing_family() -> None:
     (s,) = o.engines
     assert (s.model, s.engine, s.prompt_tokens_total, s.prefix_cache_hits) == ("tiny", "0", 186.0, 64.0)
     assert s.cached_tokens_by_source["device"] == 64.0 and o.process_start_time == 1.79610737122e09
+
+
+def test_parsing_only_the_read_samples_keeps_them_and_every_family() -> None:
+    """The collector parses only the sample lines it reads (the parse is the sidecar's CPU at every scrape):
+    on a real scrape those samples and every family's type are what the whole parse gives, the rest is
+    skipped; junk that does not start with a metric name is still parsed, so it is still counted broken."""
+    text = REAL_032.read_text()
+    whole, kept = parse_families(text), parse_families(text, keep=READ_SAMPLES)
+    assert kept.types == whole.types
+    assert {n: kept.get(n) for n in READ_SAMPLES} == {n: whole.get(n) for n in READ_SAMPLES}
+    skipped = set(whole.samples) - READ_SAMPLES
+    assert "http_request_duration_highr_seconds_bucket" in skipped and not skipped & set(kept.samples)
+    junk = text + 'http_requests_total{handler="/x" 1\n\x00\xfe <html>502</html>\n'
+    assert parse_families(junk).broken_blocks == 1  # both bad lines fall in one block (the last family's)
+    assert parse_families(junk, keep=READ_SAMPLES).broken_blocks == 1  # the malformed unread line is gone
+    assert parse_families(junk, keep=READ_SAMPLES).get("vllm:prompt_tokens_total")
 
 
 def test_family_gauge_on_every_fresh_registry() -> None:

