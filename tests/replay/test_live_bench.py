@@ -18,6 +18,7 @@ from kvtier.replay.live_bench import (
     build_requests,
     counter_deltas,
     interleave,
+    pool_series,
     prompt_cap,
     run_bootstrap_ci,
     run_bootstrap_ratio_ci,
@@ -176,6 +177,9 @@ def test_summary_has_the_documented_json_shape() -> None:
         for k in ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "hit_tokens_total", "l1_hit_tokens"):
             assert len(s["ci95"][k]) == 2
     assert doc["arms"]["active"]["requests"] == 5
+    runs = doc["arms"]["active"]["per_run"]  # each run in run order, to pool series of several invocations
+    assert runs["l1_hit_tokens"] == [130.0, 140.0] and runs["wall_s"] == [10.0, 10.0]
+    assert runs["ttft_mean_s"] == pytest.approx([0.7 / 3, 0.25])
     assert doc["arms"]["active"]["ratio_to_baseline"]["l1_hit_tokens"] == pytest.approx(135 / 105)
 
 
@@ -278,3 +282,24 @@ def test_send_all_records_when_each_request_went_out_and_its_first_token_came() 
             assert math.isnan(f)
         else:
             assert s < f <= wall
+
+
+def test_pooled_series_judge_all_runs_and_keep_each_series_ratio() -> None:
+    """Two invocations of the same A/B, one favourable and one not: the pooled L1 ratio is that of all runs
+    (1.15, between the two series' 1.25 and 1.05) with an interval holding it; a series written before
+    ``per_run`` had TTFT means counts for the counters but not for TTFT."""
+
+    def series(active_l1: list[float], ttft: float) -> dict:
+        base = [_run("baseline", 100.0, [0.2, 0.2]), _run("baseline", 100.0, [0.2, 0.2])]
+        act = [_run("active", x, [ttft, ttft]) for x in active_l1]
+        return json.loads(to_json({"arms": {"baseline": summarize(base), "active": summarize(act, base)}}))
+
+    good, bad = series([120.0, 130.0], 0.1), series([100.0, 110.0], 0.3)
+    for arm in ("baseline", "active"):  # as written before per_run held TTFT means
+        del bad["arms"][arm]["per_run"]["ttft_mean_s"]
+    out = pool_series([good, bad], "active")
+    l1 = out["fields"]["l1_hit_tokens"]
+    assert l1["ratio"] == pytest.approx(1.15) and l1["per_series"] == pytest.approx([1.25, 1.05])
+    assert l1["runs"] == (4, 4) and l1["ci95"][0] <= 1.15 <= l1["ci95"][1] and l1["ci95"][0] > 1.0
+    ttft = out["fields"]["ttft_mean_s"]
+    assert ttft["series_used"] == 1 and ttft["ratio"] == pytest.approx(0.5)
