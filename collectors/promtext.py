@@ -60,17 +60,7 @@ def _blocks(text: str) -> list[str]:
     return ["\n".join(b) + "\n" for b in blocks if b]
 
 
-def _sample_name(line: str) -> str:
-    """Metric name of a sample line (up to ``{`` or the first blank)."""
-    end = len(line)
-    for ch in "{ \t":
-        i = line.find(ch)
-        if 0 <= i < end:
-            end = i
-    return line[:end]
-
-
-_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_SAMPLE_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*(?=[{ \t])")  # a metric name, then labels or a blank
 
 
 def keep_samples(text: str, names: Collection[str]) -> str:
@@ -81,8 +71,8 @@ def keep_samples(text: str, names: Collection[str]) -> str:
     def wanted(line: str) -> bool:
         if line.startswith("#") or not line.strip():
             return True
-        name = _sample_name(line)
-        return name in names or _METRIC_NAME.fullmatch(name) is None
+        m = _SAMPLE_NAME.match(line)
+        return m is None or m.group() in names
 
     return "".join(line for line in text.splitlines(keepends=True) if wanted(line))
 
