@@ -1,5 +1,7 @@
 """Pool several live A/B JSONs (``kvtier bench --json`` / ``bench.live_ab --json`` of separate invocations on
-the same setup) into one ratio per figure with a bootstrap 95 % CI over all runs, beside each series' own.
+the same setup) into one ratio per figure, beside each series' own: the run-weighted geometric mean of the
+series' ratios, with a bootstrap 95 % CI that resamples runs within each series (an invocation is a block:
+hosts differ in speed).
 
 Usage: python -m bench.pool_ab A.json B.json [...] [--arm active]
 """

@@ -607,7 +607,7 @@ def summarize(runs: Sequence[RunResult], baseline: Sequence[RunResult] | None = 
     return out
 
 
-def _ratio(a: Sequence[float], b: Sequence[float]) -> float:
+def _ratio(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray) -> float:
     mb = float(np.mean(b)) if len(b) else math.nan
     return float(np.mean(a)) / mb if mb else math.nan
 
@@ -770,35 +770,61 @@ def to_json(result: dict[str, Any]) -> str:
 POOLED_FIELDS = ("l1_hit_tokens", "l2_hit_tokens", "hit_tokens_total", "recomputed_tokens", "ttft_mean_s")
 
 
-def pool_series(docs: Sequence[dict[str, Any]], arm: str) -> dict[str, Any]:
+def pool_series(
+    docs: Sequence[dict[str, Any]], arm: str, *, n_boot: int = 2000, seed: int = 0
+) -> dict[str, Any]:
     """Pool several bench JSONs (``--json`` of separate invocations on the same setup) into one comparison of
-    ``arm`` against ``baseline``: per field of :data:`POOLED_FIELDS`, the ratio of the pooled per-run means
-    with a bootstrap 95 % CI over all runs of both arms, and each series' own ratio. One series of 3 runs
-    per arm swings by several points (the host drifts between invocations); a claim judged on one
-    favourable series of several is a selected one, so the pooled figure is the one to judge.
+    ``arm`` against ``baseline``, per field of :data:`POOLED_FIELDS`: each series' own ratio (its arm's
+    per-run mean over its baseline's), the pooled ratio, and a 95 % CI. One series of 3 runs per arm swings
+    by several points; a claim judged on one favourable series of several is a selected one, so the pooled
+    figure is the one to judge.
 
-    The TTFT ratio here is run-level (each run's mean TTFT), coarser than a single invocation's two-stage
-    bootstrap; series written before ``per_run`` held ``ttft_mean_s`` are left out of that field only
-    (``series_used`` says how many counted)."""
+    Each series is a block: its arms ran interleaved in the same minutes, but separate invocations may run
+    on hosts whose speed differs by tens of percent. So the pooled ratio is the geometric mean of the
+    series' ratios weighted by their runs of ``arm`` (never a ratio of raw means across series, which would
+    weigh slow hours more and let the spread between hosts widen the interval), and its CI is a stratified
+    percentile bootstrap: runs are resampled within each series and arm, every replicate recomputes every
+    series' ratio. The TTFT ratio here is run-level (each run's mean TTFT), coarser than a single
+    invocation's two-stage bootstrap; series written before ``per_run`` held ``ttft_mean_s`` are left out of
+    that field only (``series_used`` says how many counted)."""
     out: dict[str, Any] = {"arm": arm, "series": len(docs), "fields": {}}
+    rng = np.random.default_rng(seed)
     for f in POOLED_FIELDS:
-        a: list[float] = []
-        b: list[float] = []
-        each: list[float] = []
+        blocks: list[tuple[np.ndarray, np.ndarray]] = []
         for d in docs:
             arms = d.get("arms", {})
             ra = (arms.get(arm) or {}).get("per_run", {}).get(f)
             rb = (arms.get("baseline") or {}).get("per_run", {}).get(f)
             if not ra or not rb or any(v is None for v in (*ra, *rb)):
                 continue
-            a += ra
-            b += rb
-            each.append(_ratio(ra, rb))
+            blocks.append((np.asarray(ra, dtype=float), np.asarray(rb, dtype=float)))
+        each = [_ratio(a, b) for a, b in blocks]
+        weights = np.asarray([a.size for a, _ in blocks], dtype=float)
+        ci: tuple[float, float] = (math.nan, math.nan)
+        if blocks:
+            reps = np.empty(n_boot)
+            for i in range(n_boot):
+                reps[i] = _weighted_geomean(
+                    [_ratio(a[rng.integers(0, a.size, a.size)], b[rng.integers(0, b.size, b.size)])
+                     for a, b in blocks],
+                    weights,
+                )  # fmt: skip
+            good = reps[np.isfinite(reps)]
+            if good.size:
+                ci = (float(np.quantile(good, 0.025)), float(np.quantile(good, 0.975)))
         out["fields"][f] = {
-            "ratio": _ratio(a, b) if a and b else math.nan,
-            "ci95": bootstrap_ratio_ci(a, b),
-            "runs": (len(a), len(b)),
-            "series_used": len(each),
+            "ratio": _weighted_geomean(each, weights) if blocks else math.nan,
+            "ci95": ci,
+            "runs": (int(sum(a.size for a, _ in blocks)), int(sum(b.size for _, b in blocks))),
+            "series_used": len(blocks),
             "per_series": each,
         }
     return out
+
+
+def _weighted_geomean(ratios: Sequence[float], weights: np.ndarray) -> float:
+    """exp of the weighted mean of log ratios; nan if any ratio is not a positive number."""
+    r = np.asarray(ratios, dtype=float)
+    if r.size == 0 or not np.all(np.isfinite(r)) or np.any(r <= 0):
+        return math.nan
+    return float(np.exp(np.sum(weights * np.log(r)) / np.sum(weights)))

@@ -285,9 +285,9 @@ def test_send_all_records_when_each_request_went_out_and_its_first_token_came() 
 
 
 def test_pooled_series_judge_all_runs_and_keep_each_series_ratio() -> None:
-    """Two invocations of the same A/B, one favourable and one not: the pooled L1 ratio is that of all runs
-    (1.15, between the two series' 1.25 and 1.05) with an interval holding it; a series written before
-    ``per_run`` had TTFT means counts for the counters but not for TTFT."""
+    """Two invocations of the same A/B, one favourable and one not: the pooled L1 ratio lies between the two
+    series' 1.25 and 1.05 (their geometric mean, equal runs) with an interval holding it; a series written
+    before ``per_run`` had TTFT means counts for the counters but not for TTFT."""
 
     def series(active_l1: list[float], ttft: float) -> dict:
         base = [_run("baseline", 100.0, [0.2, 0.2]), _run("baseline", 100.0, [0.2, 0.2])]
@@ -299,7 +299,31 @@ def test_pooled_series_judge_all_runs_and_keep_each_series_ratio() -> None:
         del bad["arms"][arm]["per_run"]["ttft_mean_s"]
     out = pool_series([good, bad], "active")
     l1 = out["fields"]["l1_hit_tokens"]
-    assert l1["ratio"] == pytest.approx(1.15) and l1["per_series"] == pytest.approx([1.25, 1.05])
-    assert l1["runs"] == (4, 4) and l1["ci95"][0] <= 1.15 <= l1["ci95"][1] and l1["ci95"][0] > 1.0
+    assert l1["ratio"] == pytest.approx(math.sqrt(1.25 * 1.05))
+    assert l1["per_series"] == pytest.approx([1.25, 1.05])
+    assert l1["runs"] == (4, 4) and l1["ci95"][0] <= l1["ratio"] <= l1["ci95"][1] and l1["ci95"][0] > 1.0
     ttft = out["fields"]["ttft_mean_s"]
     assert ttft["series_used"] == 1 and ttft["ratio"] == pytest.approx(0.5)
+
+
+def _ttft_series(base_s: float, cost: float, noise: list[float]) -> dict:
+    """A bench JSON whose runs' TTFT means are ``base_s`` (baseline) and ``base_s * cost`` (active), each
+    times ``1 + noise[i]`` (the run-to-run drift within one invocation)."""
+    base = [_run("baseline", 100.0, [base_s * (1 + e)] * 2) for e in noise]
+    act = [_run("active", 100.0, [base_s * cost * (1 + e)] * 2) for e in reversed(noise)]
+    return json.loads(to_json({"arms": {"baseline": summarize(base), "active": summarize(act, base)}}))
+
+
+def test_pooled_series_are_blocks_so_a_faster_host_does_not_hide_a_small_cost() -> None:
+    """Four invocations on hosts of very different speed (baseline TTFT 0.1 to 0.2 s), each with the same
+    +3 % cost and ±1 % drift within it: stratified by series, the pooled interval resolves the cost (its
+    lower end above 1), where pooling raw run means across hosts would bury it under the hosts' spread. With
+    no cost, the same series give an interval holding 1."""
+    noise = [-0.01, 0.0, 0.01]
+    costly = [_ttft_series(b, 1.03, noise) for b in (0.1, 0.13, 0.17, 0.2)]
+    t = pool_series(costly, "active")["fields"]["ttft_mean_s"]
+    assert t["ratio"] == pytest.approx(1.03, abs=1e-9) and t["series_used"] == 4 and t["runs"] == (12, 12)
+    assert 1.0 < t["ci95"][0] <= 1.03 <= t["ci95"][1] < 1.06
+    free = pool_series([_ttft_series(b, 1.0, noise) for b in (0.1, 0.13, 0.17, 0.2)], "active")
+    lo, hi = free["fields"]["ttft_mean_s"]["ci95"]
+    assert lo < 1.0 < hi and hi - lo < 0.04
