@@ -138,6 +138,7 @@ def run_ab(
     root: Path | None = None,
     progress: Any = None,
     sidecar_extra: Sequence[str] = (),
+    arm_args: dict[str, list[str]] | None = None,
 ) -> dict[str, Any]:
     """One interleaved A/B on fresh stacks -> the bench result (``{"arms": ...}``) + the workload facts."""
     trace = load_workload(workload, n)
@@ -167,6 +168,7 @@ def run_ab(
         sidecar_args=args_for,
         workdir=tmp,
         sidecar_exe=[sys.executable, "-m", "kvtier"],
+        arm_args=arm_args or {},
         before_run=before,
         after_run=stack.down,
     )
@@ -213,7 +215,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--sidecar-arg", action="append", default=[],
                     help="one more argument for every sidecar arm's `kvtier serve` (repeatable), "
                          "e.g. --sidecar-arg=--config --sidecar-arg=keeper.yaml")  # fmt: skip
+    ap.add_argument("--arm-args", action="append", default=[],
+                    help="LABEL=FLAGS: more `kvtier serve` flags for one arm only (repeatable), e.g. --arms "
+                         "baseline,shadow,shadow/slow --arm-args 'shadow/slow=--config s.yaml'")  # fmt: skip
     a = ap.parse_args(argv)
+    from kvtier.replay.live_bench import parse_arms
+
+    try:
+        arms, per_arm = parse_arms(a.arms, a.arm_args)
+    except ValueError as e:
+        ap.error(str(e))
     if a.l1_chunks is not None:
         from tests.peers.vllm import tiny_model
 
@@ -223,9 +234,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*cols, console=Console(stderr=True), transient=True) as prog:
-        out = run_ab(a.workload, a.requests, arms=a.arms.split(","), repeat=a.repeat, l1_gb=a.l1_gb,
+        out = run_ab(a.workload, a.requests, arms=arms, repeat=a.repeat, l1_gb=a.l1_gb,
                      gpu_blocks=a.gpu_blocks, concurrency=a.concurrency, model=a.model, progress=prog,
-                     sidecar_extra=a.sidecar_arg)  # fmt: skip
+                     sidecar_extra=a.sidecar_arg, arm_args=per_arm)  # fmt: skip
     Console().print(render_table(out["arms"]))
     print(json.dumps(out["workload"]))
     if a.json:

@@ -51,6 +51,35 @@ from kvtier.collectors.promtext import parse_families
 from kvtier.policies.base import Request
 
 ARMS = ("baseline", "shadow", "active")
+
+
+def parse_arms(spec: str, arm_args: Sequence[str] = ()) -> tuple[list[str], dict[str, list[str]]]:
+    """``--arms`` and ``--arm-args`` -> (arm labels, extra sidecar flags per label); ValueError on a typo.
+
+    An arm is a mode of :data:`ARMS` or a variant ``MODE/NAME`` of shadow or active (``active/p8``), so
+    that configurations of the sidecar run interleaved in the same minutes against one baseline instead
+    of in separate invocations an hour apart. ``arm_args`` items are ``LABEL=FLAGS`` (shell-split), added
+    to the common sidecar flags for that arm's runs only; every label must be one of the arms."""
+    import shlex
+
+    arms = [a.strip() for a in spec.split(",") if a.strip()]
+    if not arms:
+        raise ValueError("no arm given; choose from " + ", ".join(ARMS))
+    for a in arms:
+        mode, sep, name = a.partition("/")
+        if mode not in ARMS or (sep and (mode == "baseline" or not name)):
+            raise ValueError(f"unknown arm {a!r}: choose from {', '.join(ARMS)}, shadow/NAME, active/NAME")
+    if len(set(arms)) != len(arms):
+        raise ValueError(f"arm given twice in {spec!r}")
+    extra: dict[str, list[str]] = {}
+    for item in arm_args:
+        label, eq, flags = item.partition("=")
+        if not eq or label.strip() not in arms or label.strip() == "baseline":
+            raise ValueError(f"--arm-args {item!r}: LABEL=FLAGS, LABEL one of the sidecar arms {arms}")
+        extra.setdefault(label.strip(), []).extend(shlex.split(flags))
+    return arms, extra
+
+
 _TOKEN_LO = 10  # skip the lowest ids (special tokens of most vocabularies)
 
 # ---------------------------------------------------------------------------------------------------------
@@ -688,6 +717,7 @@ class BenchPlan:
     concurrency: int | None = 1
     sidecar_args: list[str] | Callable[[], list[str]] = field(default_factory=list)  # callable: per run
     sidecar_url: str | None = None  # use a running sidecar (its mode is the user's business)
+    arm_args: dict[str, list[str]] = field(default_factory=dict)  # extra sidecar flags of one arm (variants)
     reset_cmd: str | None = None  # shell command run before each run (fresh engine/cache)
     workdir: Path = Path(".kvtier-bench")
     sidecar_exe: list[str] = field(default_factory=lambda: ["kvtier"])
@@ -706,6 +736,8 @@ def free_port() -> int:
 
 def run_bench(plan: BenchPlan, progress: Any = None) -> dict[str, Any]:
     """Interleaved runs of every arm; -> ``{"arms": {arm: summary}, "order": [...], ...}``."""
+    if plan.arm_args and plan.sidecar_url is not None:
+        raise ValueError("per-arm sidecar flags need sidecars the bench starts, not --sidecar-url")
     order = interleave(plan.arms, plan.repeat)
     runs: dict[str, list[RunResult]] = {a: [] for a in plan.arms}
     task = progress.add_task("bench", total=len(order) * len(plan.reqs)) if progress else None
@@ -719,8 +751,9 @@ def run_bench(plan: BenchPlan, progress: Any = None) -> dict[str, Any]:
         try:
             if arm != "baseline" and plan.sidecar_url is None:
                 args = plan.sidecar_args() if callable(plan.sidecar_args) else plan.sidecar_args
-                side = Sidecar(args, arm, free_port(), plan.workdir / f"sidecar_{i}_{arm}.log",
-                               exe=plan.sidecar_exe).start()  # fmt: skip
+                log_name = f"sidecar_{i}_{arm.replace('/', '_')}.log"
+                side = Sidecar([*args, *plan.arm_args.get(arm, [])], arm.partition("/")[0], free_port(),
+                               plan.workdir / log_name, exe=plan.sidecar_exe).start()  # fmt: skip
             surl = plan.sidecar_url if arm != "baseline" else None
             t = Target(target.engine_url, target.lmcache_url, target.model, side.url if side else surl)
             if progress is not None:

@@ -21,10 +21,15 @@ def bench(
     max_tokens: int = typer.Option(2, "--max-tokens", min=1, help="Output tokens per request (cap)."),
     concurrency: int = typer.Option(1, "--concurrency", min=0, help="In-flight requests; 0 = trace clock."),
     time_scale: float = typer.Option(1.0, "--time-scale", min=1e-6, help="Trace clock speed-up (0 conc.)."),
-    arms: str = typer.Option("baseline,active", "--arms", help="Comma list of baseline, shadow, active."),
+    arms: str = typer.Option(
+        "baseline,active", "--arms", help="Comma list of baseline, shadow, active, or variants MODE/NAME."
+    ),
     repeat: int = typer.Option(1, "--repeat", min=1, help="Interleaved repetitions per arm."),
     sidecar_args: str = typer.Option(
         "", "--sidecar-args", help="Flags for the `kvtier serve` the bench starts per shadow/active run."
+    ),
+    arm_args: list[str] = typer.Option(  # noqa: B008 - typer reads its options from defaults
+        [], "--arm-args", help="LABEL=FLAGS: more `kvtier serve` flags for one arm only (repeatable)."
     ),
     sidecar_url: str = typer.Option(None, "--sidecar-url", help="Use this running sidecar instead."),
     reset_cmd: str = typer.Option(None, "--reset-cmd", help="Shell command run before each run."),
@@ -39,11 +44,11 @@ def bench(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvtier.replay.live_bench import (
-        ARMS,
         BenchPlan,
         Target,
         build_requests,
         engine_max_len,
+        parse_arms,
         prompt_cap,
         render_table,
         run_bench,
@@ -51,10 +56,12 @@ def bench(
     )
     from kvtier.replay.trace import TraceError, bundled_trace_path, load_trace
 
-    arm_list = [a.strip() for a in arms.split(",") if a.strip()]
-    bad = [a for a in arm_list if a not in ARMS]
-    if bad or not arm_list:
-        raise typer.BadParameter(f"unknown arm(s) {bad}; choose from {', '.join(ARMS)}", param_hint="--arms")
+    try:
+        arm_list, per_arm = parse_arms(arms, arm_args)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--arms / --arm-args") from e
+    if per_arm and sidecar_url:
+        raise typer.BadParameter("per-arm flags need sidecars the bench starts", param_hint="--arm-args")
     path = bundled_trace_path() if trace == "bundled" else Path(trace)
     try:
         tr = load_trace(path, max_requests=requests)
@@ -78,6 +85,7 @@ def bench(
         concurrency=concurrency or None,
         sidecar_args=shlex.split(sidecar_args),
         sidecar_url=sidecar_url,
+        arm_args=per_arm,
         reset_cmd=reset_cmd,
         workdir=workdir,
         sidecar_exe=[sys.executable, "-m", "kvtier"],

@@ -18,6 +18,7 @@ from kvtier.replay.live_bench import (
     build_requests,
     counter_deltas,
     interleave,
+    parse_arms,
     pool_series,
     prompt_cap,
     run_bootstrap_ci,
@@ -327,3 +328,24 @@ def test_pooled_series_are_blocks_so_a_faster_host_does_not_hide_a_small_cost() 
     free = pool_series([_ttft_series(b, 1.0, noise) for b in (0.1, 0.13, 0.17, 0.2)], "active")
     lo, hi = free["fields"]["ttft_mean_s"]["ci95"]
     assert lo < 1.0 < hi and hi - lo < 0.04
+
+
+def test_arm_variants_carry_their_own_flags_and_typos_are_errors() -> None:
+    arms, extra = parse_arms(
+        "baseline, active, active/p8", ["active/p8=--config 'p 8.yaml'", "active/p8=--log-level DEBUG"]
+    )
+    assert arms == ["baseline", "active", "active/p8"]
+    assert extra == {"active/p8": ["--config", "p 8.yaml", "--log-level", "DEBUG"]}
+    assert parse_arms("shadow") == (["shadow"], {})
+    for spec, args, why in (
+        ("baseline,actve", [], "unknown arm 'actve'"),
+        ("baseline/x", [], "unknown arm 'baseline/x'"),
+        ("active/", [], "unknown arm 'active/'"),
+        ("active,active", [], "twice"),
+        ("", [], "no arm"),
+        ("active", ["active/p8=--x"], "LABEL one of the sidecar arms"),
+        ("baseline,active", ["baseline=--x"], "LABEL one of the sidecar arms"),
+        ("active", ["active --x"], "LABEL=FLAGS"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            parse_arms(spec, args)
