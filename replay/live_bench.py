@@ -75,7 +75,8 @@ def parse_arms(spec: str, arm_args: Sequence[str] = ()) -> tuple[list[str], dict
     for item in arm_args:
         label, eq, flags = item.partition("=")
         if not eq or label.strip() not in arms or label.strip() == "baseline":
-            raise ValueError(f"--arm-args {item!r}: LABEL=FLAGS, LABEL one of the sidecar arms {arms}")
+            sidecars = [a for a in arms if a != "baseline"]
+            raise ValueError(f"--arm-args {item!r}: LABEL=FLAGS, LABEL one of the sidecar arms {sidecars}")
         extra.setdefault(label.strip(), []).extend(shlex.split(flags))
     return arms, extra
 
