@@ -38,6 +38,7 @@ from kvtier.replay.live_bench import (
     Target,
     build_requests,
     distinct_chunks,
+    parse_arms,
     render_table,
     run_bench,
     to_json,
@@ -219,8 +220,6 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="LABEL=FLAGS: more `kvtier serve` flags for one arm only (repeatable), e.g. --arms "
                          "baseline,shadow,shadow/slow --arm-args 'shadow/slow=--config s.yaml'")  # fmt: skip
     a = ap.parse_args(argv)
-    from kvtier.replay.live_bench import parse_arms
-
     try:
         arms, per_arm = parse_arms(a.arms, a.arm_args)
     except ValueError as e:

@@ -74,10 +74,11 @@ def parse_arms(spec: str, arm_args: Sequence[str] = ()) -> tuple[list[str], dict
     extra: dict[str, list[str]] = {}
     for item in arm_args:
         label, eq, flags = item.partition("=")
-        if not eq or label.strip() not in arms or label.strip() == "baseline":
+        label = label.strip()
+        if not eq or label not in arms or label == "baseline":
             sidecars = [a for a in arms if a != "baseline"]
             raise ValueError(f"--arm-args {item!r}: LABEL=FLAGS, LABEL one of the sidecar arms {sidecars}")
-        extra.setdefault(label.strip(), []).extend(shlex.split(flags))
+        extra.setdefault(label, []).extend(shlex.split(flags))
     return arms, extra
 
 
