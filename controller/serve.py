@@ -70,8 +70,6 @@ def serve(
         configure_logging(settings.serve.log_level, json_lines=settings.serve.log_json)
         if settings.serve.cpu_nice:  # before any thread starts: every thread inherits it
             os.nice(settings.serve.cpu_nice)
-        if settings.serve.cpu_policy != "normal":
-            set_cpu_policy(settings.serve.cpu_policy)
         settings = discover_models(settings)  # the one blocking look-up, before anything is built
         sidecar = build_sidecar(settings, reset_state=reset_state)
     except (PeerNotAvailable, ValueError, OSError) as exc:
@@ -108,19 +106,6 @@ def serve(
         timeout_graceful_shutdown=3,  # SIGTERM: open connections get 3 s, then the sidecar stops
         http=deadline_protocol(sv.http_request_deadline_s),  # half-sent requests are closed
     )  # fmt: skip
-
-
-def set_cpu_policy(policy: str) -> None:
-    """Put every thread of this process under Linux's ``SCHED_BATCH`` or ``SCHED_IDLE`` (static priority 0).
-
-    Every thread, not only the caller's: a library imported before this may already have started one, and
-    threads started later inherit the policy. Lowering one's own policy needs no privilege."""
-    which = {"batch": os.SCHED_BATCH, "idle": os.SCHED_IDLE}[policy]
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setscheduler(int(tid), which, os.sched_param(0))
-        except ProcessLookupError:  # the thread ended meanwhile
-            continue
 
 
 def register(app: typer.Typer) -> None:

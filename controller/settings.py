@@ -97,13 +97,6 @@ class ServeSettings(_Section):
         description="raise the process's nice value by this at start (Linux): where the sidecar shares cores "
         "with the engine, its ticks and scrapes then yield the CPU to it",
     )  # fmt: skip
-    cpu_policy: Literal["normal", "batch", "idle"] = Field(
-        default="normal",
-        description="Linux scheduling policy of every thread at start: batch (SCHED_BATCH) and idle "
-        "(SCHED_IDLE) never preempt the engine's threads when an event wakes the sidecar; idle also runs "
-        "only in what the engine leaves of the CPU. Why: a nice value lowers the share but not those "
-        "wake-up preemptions, and each one stalls the engine's whole OpenMP team on shared cores",
-    )  # fmt: skip
     # -- hardening: see controller/guard.py and docs/security.md --
     insecure_no_auth: bool = Field(
         default=False, description="allow a non-loopback listen without an API token (logged loudly)"

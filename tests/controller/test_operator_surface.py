@@ -185,18 +185,3 @@ def test_cpu_nice_lowers_the_serving_process_priority(tmp_path: Path) -> None:
     r = subprocess.run([*KVTIER, "serve", "--config", str(cfg), "--listen", "127.0.0.1:1"],
                        capture_output=True, text=True, timeout=60)  # fmt: skip
     assert r.returncode == 2 and "cpu_nice" in r.stderr, r.stderr
-
-
-def test_cpu_policy_puts_every_thread_of_the_serving_process_under_it(tmp_path: Path) -> None:
-    """``serve.cpu_policy: idle``: every thread of the running sidecar (the event loop's, the keeper's, the
-    collectors') is under ``SCHED_IDLE``, so none preempts the engine when it wakes; a typo is an error."""
-    cfg = tmp_path / "idle.yaml"
-    cfg.write_text("serve:\n  cpu_policy: idle\n")
-    for s in _serve(tmp_path, "--config", str(cfg)):
-        tids = os.listdir(f"/proc/{s.proc.pid}/task")
-        assert len(tids) > 1, tids  # a sidecar that serves runs more than one thread
-        assert {os.sched_getscheduler(int(t)) for t in tids} == {os.SCHED_IDLE}
-    cfg.write_text("serve:\n  cpu_policy: idel\n")
-    r = subprocess.run([*KVTIER, "serve", "--config", str(cfg), "--listen", "127.0.0.1:1"],
-                       capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert r.returncode == 2 and "cpu_policy" in r.stderr, r.stderr
