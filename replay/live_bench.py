@@ -27,7 +27,9 @@ pooled.
 Statistics: TTFT CIs are two-stage percentile bootstraps (an arm's runs, then the requests of each drawn
 run), because the host drifts between runs and a run's requests share its minutes; with one run per arm
 they are request-level and blind to drift. Counter CIs are bootstraps over runs (a single run gives a
-degenerate interval: its value twice). Ratios to baseline resample both arms the same way.
+degenerate interval: its value twice). Ratios to baseline resample both arms the same way. Every interval
+is widened about its estimate by :func:`small_sample_factor` of the sample sizes resampled: a plain
+percentile bootstrap over 3 runs per arm covers the true ratio about 80 % of the time, not 95 %.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from scipy import stats as sps
 
 from kvtier.collectors.promtext import parse_families
 from kvtier.policies.base import Request
@@ -172,6 +175,39 @@ def _mean(a: np.ndarray) -> float:
     return float(np.mean(a))
 
 
+def small_sample_factor(*sizes: int, alpha: float = 0.05) -> float:
+    """How much wider than its percentile bootstrap an interval from samples of these ``sizes`` must be.
+
+    Two small-sample errors of the plain bootstrap, both large at the 3-5 runs per arm a live A/B affords:
+    its variance is ``(n - 1) / n`` of the unbiased one (a factor ``sqrt(n / (n - 1))`` on the width, from
+    the smallest sample), and its tails are normal where Student's ``t`` with ``sum(n - 1)`` degrees of
+    freedom holds (``t / z``). Together 1.73 for 3 runs against 3, 1.33 for four series of 3 against 3,
+    about 1.01 for 200 requests. Measured: the widened interval covers a known ratio in about 95 % of
+    samples of 3 runs per arm (tests/replay/test_live_bench.py), the plain one in about 80 %. 1.0 when a
+    sample has fewer than 2 values (there is no spread to correct)."""
+    if not sizes or min(sizes) < 2:
+        return 1.0
+    n = min(sizes)
+    df = sum(k - 1 for k in sizes)
+    q = 1 - alpha / 2
+    return math.sqrt(n / (n - 1)) * float(sps.t.ppf(q, df)) / float(sps.norm.ppf(q))
+
+
+def widen(
+    ci: tuple[float, float], estimate: float, factor: float, *, log: bool = False
+) -> tuple[float, float]:
+    """``ci`` stretched by ``factor`` about ``estimate`` (on the log scale for ratios, so a ratio's interval
+    stays positive and as wide either way in relative terms); unchanged where any part is not finite."""
+    lo, hi = ci
+    if factor == 1.0 or not all(map(math.isfinite, (lo, hi, estimate))):
+        return ci
+    if log:
+        if min(lo, hi, estimate) <= 0:
+            return ci
+        return (estimate * (lo / estimate) ** factor, estimate * (hi / estimate) ** factor)
+    return (estimate - factor * (estimate - lo), estimate + factor * (hi - estimate))
+
+
 def bootstrap_ci(
     values: Sequence[float] | np.ndarray,
     stat: Callable[[np.ndarray], float] = _mean,
@@ -180,7 +216,8 @@ def bootstrap_ci(
     alpha: float = 0.05,
     seed: int = 0,
 ) -> tuple[float, float]:
-    """Percentile bootstrap ``(lo, hi)`` of ``stat`` over ``values``; ``(nan, nan)`` when empty."""
+    """Percentile bootstrap ``(lo, hi)`` of ``stat`` over ``values``, widened for the sample's size
+    (:func:`small_sample_factor`); ``(nan, nan)`` when empty."""
     a = np.asarray(values, dtype=float)
     if a.size == 0:
         return (math.nan, math.nan)
@@ -190,7 +227,7 @@ def bootstrap_ci(
     idx = rng.integers(0, a.size, size=(n_boot, a.size))
     boots = a[idx].mean(axis=1) if stat is _mean else np.array([stat(a[i]) for i in idx])
     lo, hi = np.quantile(boots, [alpha / 2, 1 - alpha / 2])
-    return (float(lo), float(hi))
+    return widen((float(lo), float(hi)), stat(a), small_sample_factor(a.size, alpha=alpha))
 
 
 def bootstrap_ratio_ci(
@@ -202,7 +239,8 @@ def bootstrap_ratio_ci(
     alpha: float = 0.05,
     seed: int = 0,
 ) -> tuple[float, float]:
-    """Percentile bootstrap CI of ``stat(a) / stat(b)`` (independent resamples of a and b)."""
+    """Percentile bootstrap CI of ``stat(a) / stat(b)`` (independent resamples of a and b), widened on the
+    log scale for the samples' sizes (:func:`small_sample_factor`)."""
     x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if x.size == 0 or y.size == 0:
         return (math.nan, math.nan)
@@ -212,7 +250,12 @@ def bootstrap_ratio_ci(
         den = stat(y[rng.integers(0, y.size, y.size)])
         num = stat(x[rng.integers(0, x.size, x.size)])
         ratios[i] = num / den if den else math.nan
-    return _percentiles(ratios, alpha)
+    est = _safe_ratio(stat(x), stat(y))
+    return widen(_percentiles(ratios, alpha), est, small_sample_factor(x.size, y.size, alpha=alpha), log=True)
+
+
+def _safe_ratio(num: float, den: float) -> float:
+    return num / den if den else math.nan
 
 
 def _percentiles(boots: np.ndarray, alpha: float) -> tuple[float, float]:
@@ -254,7 +297,8 @@ def run_bootstrap_ci(
     if len(rs) == 1:
         return bootstrap_ci(rs[0], stat, n_boot=n_boot, alpha=alpha, seed=seed)
     rng = np.random.default_rng(seed)
-    return _percentiles(np.array([stat(_two_stage(rs, rng)) for _ in range(n_boot)]), alpha)
+    ci = _percentiles(np.array([stat(_two_stage(rs, rng)) for _ in range(n_boot)]), alpha)
+    return widen(ci, stat(np.concatenate(rs)), small_sample_factor(len(rs), alpha=alpha))
 
 
 def run_bootstrap_ratio_ci(
@@ -267,7 +311,8 @@ def run_bootstrap_ratio_ci(
     seed: int = 0,
 ) -> tuple[float, float]:
     """Percentile CI of ``stat(a) / stat(b)`` with both arms resampled in two stages (see
-    :func:`run_bootstrap_ci`); with one run per arm it is the request-level :func:`bootstrap_ratio_ci`."""
+    :func:`run_bootstrap_ci`), widened for the numbers of runs; with one run per arm it is the
+    request-level :func:`bootstrap_ratio_ci`."""
     xa, xb = _runs(a_runs), _runs(b_runs)
     if not xa or not xb:
         return (math.nan, math.nan)
@@ -279,7 +324,9 @@ def run_bootstrap_ratio_ci(
         den = stat(_two_stage(xb, rng))
         num = stat(_two_stage(xa, rng))
         ratios[i] = num / den if den else math.nan
-    return _percentiles(ratios, alpha)
+    est = _safe_ratio(stat(np.concatenate(xa)), stat(np.concatenate(xb)))
+    factor = small_sample_factor(len(xa), len(xb), alpha=alpha)
+    return widen(_percentiles(ratios, alpha), est, factor, log=True)
 
 
 def _q(p: float) -> Callable[[np.ndarray], float]:
@@ -819,9 +866,11 @@ def pool_series(
     series' ratios weighted by their runs of ``arm`` (never a ratio of raw means across series, which would
     weigh slow hours more and let the spread between hosts widen the interval), and its CI is a stratified
     percentile bootstrap: runs are resampled within each series and arm, every replicate recomputes every
-    series' ratio. The TTFT ratio here is run-level (each run's mean TTFT), coarser than a single
-    invocation's two-stage bootstrap; series written before ``per_run`` held ``ttft_mean_s`` are left out of
-    that field only (``series_used`` says how many counted)."""
+    series' ratio; the interval is widened about the pooled ratio for the numbers of runs
+    (:func:`small_sample_factor` over every series' arm and baseline). The TTFT ratio here is run-level
+    (each run's mean TTFT), coarser than a single invocation's two-stage bootstrap; series written before
+    ``per_run`` held ``ttft_mean_s`` are left out of that field only (``series_used`` says how many
+    counted)."""
     out: dict[str, Any] = {"arm": arm, "series": len(docs), "fields": {}}
     rng = np.random.default_rng(seed)
     for f in POOLED_FIELDS:
@@ -835,6 +884,7 @@ def pool_series(
             blocks.append((np.asarray(ra, dtype=float), np.asarray(rb, dtype=float)))
         each = [_ratio(a, b) for a, b in blocks]
         weights = np.asarray([a.size for a, _ in blocks], dtype=float)
+        pooled = _weighted_geomean(each, weights) if blocks else math.nan
         ci: tuple[float, float] = (math.nan, math.nan)
         if blocks:
             reps = np.empty(n_boot)
@@ -847,8 +897,10 @@ def pool_series(
             good = reps[np.isfinite(reps)]
             if good.size:
                 ci = (float(np.quantile(good, 0.025)), float(np.quantile(good, 0.975)))
+                sizes = [n for a, b in blocks for n in (a.size, b.size)]
+                ci = widen(ci, pooled, small_sample_factor(*sizes), log=True)
         out["fields"][f] = {
-            "ratio": _weighted_geomean(each, weights) if blocks else math.nan,
+            "ratio": pooled,
             "ci95": ci,
             "runs": (int(sum(a.size for a, _ in blocks)), int(sum(b.size for _, b in blocks))),
             "series_used": len(blocks),
