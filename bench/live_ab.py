@@ -41,6 +41,7 @@ from kvtier.replay.live_bench import (
     parse_arms,
     render_table,
     run_bench,
+    table_console,
     to_json,
 )
 
@@ -236,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         out = run_ab(a.workload, a.requests, arms=arms, repeat=a.repeat, l1_gb=a.l1_gb,
                      gpu_blocks=a.gpu_blocks, concurrency=a.concurrency, model=a.model, progress=prog,
                      sidecar_extra=a.sidecar_arg, arm_args=per_arm)  # fmt: skip
-    Console().print(render_table(out["arms"]))
+    table_console().print(render_table(out["arms"]))
     print(json.dumps(out["workload"]))
     if a.json:
         a.json.write_text(to_json(out))

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import shlex
 import statistics
 import subprocess
@@ -748,11 +749,32 @@ def render_table(arms: dict[str, dict[str, Any]]) -> Any:
                 cell += f" x{r:.3f}"
             cells.append(cell)
         t.add_row(label, *cells)
-    t.add_row("actuations", *[", ".join(f"{k}={v:.0f}" for k, v in sorted(s["actuations"].items())) or "-"
-                              for s in arms.values()])  # fmt: skip
-    t.add_row("guard", *[", ".join(f"{k}={v:.0f}" for k, v in sorted(s["guard"].items())) or "-"
-                         for s in arms.values()])  # fmt: skip
+    t.add_row("actuations", *[_counts_cell(s["actuations"]) for s in arms.values()])
+    t.add_row("guard", *[_counts_cell(s["guard"]) for s in arms.values()])
     return t
+
+
+def _counts_cell(counts: Mapping[str, float]) -> str:
+    """One ``name value`` per line, names without the ``kvtier_`` prefix and ``_total`` suffix they share,
+    and a label as ``:value`` (``guard_windows:pays``), so a cell stays readable in a column a few dozen
+    characters wide."""
+    if not counts:
+        return "-"
+    short = {
+        re.sub(r"\{[^=}]+=([^}]*)\}", r":\1", k.removeprefix("kvtier_").replace("_total", "", 1)): v
+        for k, v in counts.items()
+    }
+    return "\n".join(f"{k} {v:.0f}" for k, v in sorted(short.items()))
+
+
+def table_console() -> Any:
+    """The console the report table prints on: the terminal's width, or 200 columns when the output goes to
+    a file or pipe (rich's 80 would cut a table of five arms into ellipses)."""
+    import sys
+
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=200)
 
 
 @dataclass

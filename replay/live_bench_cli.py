@@ -52,6 +52,7 @@ def bench(
         prompt_cap,
         render_table,
         run_bench,
+        table_console,
         to_json,
     )
     from kvtier.replay.trace import TraceError, bundled_trace_path, load_trace
@@ -97,7 +98,7 @@ def bench(
             result = run_bench(plan, prog)
     except (RuntimeError, OSError, httpx.HTTPError) as e:  # a peer went away, a sidecar did not start
         fail(describe(e))
-    Console().print(render_table(result["arms"]))
+    table_console().print(render_table(result["arms"]))
     if json_out:
         json_out.write_text(to_json(result))
 

@@ -21,6 +21,7 @@ from kvtier.replay.live_bench import (
     parse_arms,
     pool_series,
     prompt_cap,
+    render_table,
     run_bootstrap_ci,
     run_bootstrap_ratio_ci,
     run_line,
@@ -391,3 +392,20 @@ def test_arm_variants_carry_their_own_flags_and_typos_are_errors() -> None:
     ):
         with pytest.raises(ValueError, match=why):
             parse_arms(spec, args)
+
+
+def test_report_table_keeps_every_actuation_and_guard_count_readable() -> None:
+    """Five arms on a 200-column console (what a log file gets): every count is printed whole, one per line,
+    without the shared ``kvtier_`` / ``_total`` parts, labels as ``:value``."""
+    from rich.console import Console
+
+    def arm(l1: float) -> dict[str, object]:
+        return {"l1_hit_tokens": l1, "ci95": {}, "actuations": {"l1_admission/applied": 20248.0},
+                "guard": {"kvtier_guard_trips_total": 0.0,
+                          "kvtier_guard_windows_total{verdict=pays}": 27.0}}  # fmt: skip
+
+    con = Console(width=200, record=True)
+    con.print(render_table({a: arm(6e4) for a in ("baseline", "shadow", "shadow/x", "active", "active/x")}))
+    text = con.export_text()
+    assert text.count("guard_windows:pays 27") == 5 and text.count("guard_trips 0") == 5, text
+    assert text.count("l1_admission/applied 20248") == 5 and "…" not in text, text
