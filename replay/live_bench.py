@@ -64,8 +64,6 @@ def parse_arms(spec: str, arm_args: Sequence[str] = ()) -> tuple[list[str], dict
     that configurations of the sidecar run interleaved in the same minutes against one baseline instead
     of in separate invocations an hour apart. ``arm_args`` items are ``LABEL=FLAGS`` (shell-split), added
     to the common sidecar flags for that arm's runs only; every label must be one of the arms."""
-    import shlex
-
     arms = [a.strip() for a in spec.split(",") if a.strip()]
     if not arms:
         raise ValueError("no arm given; choose from " + ", ".join(ARMS))
@@ -250,7 +248,7 @@ def bootstrap_ratio_ci(
     for i in range(n_boot):
         den = stat(y[rng.integers(0, y.size, y.size)])
         num = stat(x[rng.integers(0, x.size, x.size)])
-        ratios[i] = num / den if den else math.nan
+        ratios[i] = _safe_ratio(num, den)
     est = _safe_ratio(stat(x), stat(y))
     return widen(_percentiles(ratios, alpha), est, small_sample_factor(x.size, y.size, alpha=alpha), log=True)
 
@@ -324,7 +322,7 @@ def run_bootstrap_ratio_ci(
     for i in range(n_boot):
         den = stat(_two_stage(xb, rng))
         num = stat(_two_stage(xa, rng))
-        ratios[i] = num / den if den else math.nan
+        ratios[i] = _safe_ratio(num, den)
     est = _safe_ratio(stat(np.concatenate(xa)), stat(np.concatenate(xb)))
     factor = small_sample_factor(len(xa), len(xb), alpha=alpha)
     return widen(_percentiles(ratios, alpha), est, factor, log=True)
@@ -916,11 +914,8 @@ def pool_series(
                      for a, b in blocks],
                     weights,
                 )  # fmt: skip
-            good = reps[np.isfinite(reps)]
-            if good.size:
-                ci = (float(np.quantile(good, 0.025)), float(np.quantile(good, 0.975)))
-                sizes = [n for a, b in blocks for n in (a.size, b.size)]
-                ci = widen(ci, pooled, small_sample_factor(*sizes), log=True)
+            sizes = [n for a, b in blocks for n in (a.size, b.size)]
+            ci = widen(_percentiles(reps, 0.05), pooled, small_sample_factor(*sizes), log=True)
         out["fields"][f] = {
             "ratio": pooled,
             "ci95": ci,
