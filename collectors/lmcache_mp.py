@@ -32,6 +32,20 @@ _COUNTERS = {
     "l2_prefetch_load_completed_chunks_total": "prefetch_load_completed_chunks",
     "event_bus_dropped_events_total": "event_bus_dropped_events",
 }
+_REUSE_GAP = "l1_chunk_reuse_gap_seconds"
+# the sample names read; the parser skips the rest (a live scrape grows to ~250 lines, most of them
+# histograms and process families this collector does not read, and it is parsed every scrape_interval_s
+# on the engine's host)
+READ_SAMPLES = frozenset(
+    PREFIX + n
+    for n in (
+        *_COUNTERS,
+        "l1_memory_usage_bytes", "l2_usage_bytes", "l1_usage_ratio", "active_prefetch_jobs",
+        "lookup_hit_l1_tokens_total", "lookup_hit_l2_tokens_total",
+        "lookup_hit_l1_keys_total", "lookup_hit_l2_keys_total",
+        *(_REUSE_GAP + suffix for suffix in ("_bucket", "_sum", "_count")),
+    )
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +92,7 @@ def parse_lmcache_mp(
     """Pure: ``/metrics`` text (+ optional ``/status`` JSON) -> :class:`LMCacheMPSample`.
 
     Raises ValueError when the text has no ``lmcache_mp_`` family at all (not an LMCache MP server)."""
-    p = parse_families(metrics_text)
+    p = parse_families(metrics_text, keep=READ_SAMPLES)
     fams = [n for n in p.types if n.startswith(PREFIX)]
     if not fams:
         raise ValueError("no lmcache_mp_* metric families in the scraped text")
@@ -114,7 +128,7 @@ def parse_lmcache_mp(
         },
         counters={field_: _sum(p, name) for name, field_ in _COUNTERS.items()},
         active_prefetch_jobs=_sum(p, "active_prefetch_jobs"),
-        reuse_gap_seconds=_hist(p, "l1_chunk_reuse_gap_seconds"),
+        reuse_gap_seconds=_hist(p, _REUSE_GAP),
         healthy=healthy,
         chunk_size=chunk,
         families=len(fams),

@@ -47,17 +47,48 @@ class KvMetricsExporter(PromCollector):
     def __init__(self, collectors: CollectorSet) -> None:
         self.sc = collectors
 
+    @staticmethod
+    def _families() -> tuple[CounterMetricFamily | GaugeMetricFamily, ...]:
+        """The exported families, empty (``describe`` names them; ``collect`` fills a fresh set)."""
+        return (
+            CounterMetricFamily("kvtier_kv_events", "KV-cache events received, by engine and type.",
+                                labels=["engine", "type"]),
+            CounterMetricFamily("kvtier_kv_block_events", "Block hashes in KV events, by engine and op.",
+                                labels=["engine", "op"]),
+            CounterMetricFamily("kvtier_kv_events_lost",
+                                "KV-event batches lost (sequence gaps not replayed), by engine.",
+                                labels=["engine"]),
+            CounterMetricFamily("kvtier_kv_events_replayed", "KV-event batches recovered by replay.",
+                                labels=["engine"]),
+            GaugeMetricFamily("kvtier_blocks_tracked", "Blocks the sidecar believes resident, by tier.",
+                              labels=["tier"]),
+            GaugeMetricFamily("kvtier_index_blocks", "Blocks in the sidecar's index (resident or not)."),
+            CounterMetricFamily("kvtier_index_reclaimed_blocks",
+                                "Non-resident blocks the index forgot to stay within its bound."),
+            CounterMetricFamily("kvtier_index_skipped_ops",
+                                "Index updates skipped: the index was full of resident blocks."),
+            CounterMetricFamily(
+                "kvtier_kv_events_dropped",
+                "KV-event work dropped to stay bounded: oversized events (hashes), stores past the residency "
+                "bound (blocks), by engine and reason.",
+                labels=["engine", "reason"],
+            ),
+            GaugeMetricFamily("kvtier_blocks_resident_distinct", "Distinct (tier, block) pairs believed "
+                              "resident, all tiers (bounded by KVTIER_INDEX_MAX_BLOCKS)."),
+            GaugeMetricFamily("kvtier_blocks_bound", "The configured per-block memory bound (blocks)."),
+            GaugeMetricFamily("kvtier_process_resident_memory_bytes",
+                              "Resident set size of the sidecar, bytes."),
+        )  # fmt: skip
+
+    def describe(self) -> Iterable[Metric]:
+        """Names only: the registry then knows which families this exporter serves, so a reader of a few
+        families (the status page's history, every second) can collect them without collecting everything."""
+        return self._families()
+
     def collect(self) -> Iterable[Metric]:
         ing = self.sc.ingestor
-        ev = CounterMetricFamily("kvtier_kv_events", "KV-cache events received, by engine and type.",
-                                 labels=["engine", "type"])  # fmt: skip
-        blk = CounterMetricFamily("kvtier_kv_block_events", "Block hashes in KV events, by engine and op.",
-                                  labels=["engine", "op"])  # fmt: skip
-        lost = CounterMetricFamily("kvtier_kv_events_lost",
-                                   "KV-event batches lost (sequence gaps not replayed), by engine.",
-                                   labels=["engine"])  # fmt: skip
-        rep = CounterMetricFamily("kvtier_kv_events_replayed", "KV-event batches recovered by replay.",
-                                  labels=["engine"])  # fmt: skip
+        fams = self._families()
+        ev, blk, lost, rep, tracked, size, reclaimed, skipped, dropped, distinct, bound, rss = fams
         for eng, c in sorted(ing.counts.items()):
             for t in EVENT_TYPES:
                 ev.add_metric([eng, t], c.events.get(t, 0))
@@ -65,45 +96,21 @@ class KvMetricsExporter(PromCollector):
                           ("reannounced", c.blocks_reannounced), ("removed_unknown", c.removed_unknown),
                           ("cleared", c.blocks_cleared), ("accessed", c.accesses_inferred)):  # fmt: skip
                 blk.add_metric([eng, op], v)
+            dropped.add_metric([eng, "oversized_event"], c.oversized_events)
+            dropped.add_metric([eng, "residency_bound"], c.residency_skipped)
         for s in self.sc.subscribers:
             lost.add_metric([s.engine], s.lost)
             rep.add_metric([s.engine], s.replayed)
-        tracked = GaugeMetricFamily("kvtier_blocks_tracked", "Blocks the sidecar believes resident, by tier.",
-                                    labels=["tier"])  # fmt: skip
         for tier, n in ing.blocks_tracked().items():
             tracked.add_metric([tier], n)
         idx = ing.index
-        size = GaugeMetricFamily("kvtier_index_blocks", "Blocks in the sidecar's index (resident or not).")
         size.add_metric([], len(idx))
-        reclaimed = CounterMetricFamily(
-            "kvtier_index_reclaimed_blocks", "Non-resident blocks the index forgot to stay within its bound."
-        )
         reclaimed.add_metric([], idx.reclaimed)
-        skipped = CounterMetricFamily(
-            "kvtier_index_skipped_ops", "Index updates skipped: the index was full of resident blocks."
-        )
         skipped.add_metric([], ing.index_skipped)
-        dropped = CounterMetricFamily(
-            "kvtier_kv_events_dropped",
-            "KV-event work dropped to stay bounded: oversized events (hashes), stores past the residency "
-            "bound (blocks), by engine and reason.",
-            labels=["engine", "reason"],
-        )
-        for eng, c in sorted(ing.counts.items()):
-            dropped.add_metric([eng, "oversized_event"], c.oversized_events)
-            dropped.add_metric([eng, "residency_bound"], c.residency_skipped)
-        distinct = GaugeMetricFamily(
-            "kvtier_blocks_resident_distinct",
-            "Distinct (tier, block) pairs believed resident, all tiers (bounded by KVTIER_INDEX_MAX_BLOCKS).",
-        )
         distinct.add_metric([], ing.resident_total())
-        bound = GaugeMetricFamily("kvtier_blocks_bound", "The configured per-block memory bound (blocks).")
         bound.add_metric([], ing.max_resident)
-        rss = GaugeMetricFamily(
-            "kvtier_process_resident_memory_bytes", "Resident set size of the sidecar, bytes."
-        )
         rss.add_metric([], rss_bytes())
-        yield from (ev, blk, lost, rep, tracked, size, reclaimed, skipped, dropped, distinct, bound, rss)
+        yield from fams
 
 
 def rss_bytes() -> float:

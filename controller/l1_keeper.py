@@ -52,8 +52,8 @@ from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier.collectors.promtext import parse_families
 from kvtier.controller.actuators.base import BlockRef, Outcome
 from kvtier.controller.actuators.lmcache_keys import ObjectKey, object_keys
 from kvtier.controller.actuators.lmcache_mp import LMCacheMPActuator
@@ -530,14 +530,11 @@ L1_HIT_TOKENS = "lmcache_mp_lookup_hit_l1_tokens"  # LMCache MP's counter (famil
 def l1_hit_tokens(metrics_text: str) -> float | None:
     """LMCache MP's look-up hits served from L1 (tokens, summed over label sets) in a ``/metrics`` text;
     None when absent (LMCache creates the family lazily, at its first look-up: then no hits yet -> 0.0 if
-    any other ``lmcache_mp_`` family is there)."""
-    total: float | None = None
-    seen_layer = False
-    for fam in text_string_to_metric_families(metrics_text):
-        seen_layer = seen_layer or fam.name.startswith("lmcache_mp_")
-        if fam.name == L1_HIT_TOKENS:
-            total = sum(x.value for x in fam.samples if x.name.endswith("_total"))
-    return total if total is not None else (0.0 if seen_layer else None)
+    any other ``lmcache_mp_`` family is there). Only that counter's sample lines are parsed."""
+    p = parse_families(metrics_text, keep={L1_HIT_TOKENS + "_total"})
+    if L1_HIT_TOKENS in p.types:
+        return float(sum(x.value for x in p.get(L1_HIT_TOKENS + "_total")))
+    return 0.0 if any(n.startswith("lmcache_mp_") for n in p.types) else None
 
 
 TTFT_FAMILY = "vllm:time_to_first_token_seconds"

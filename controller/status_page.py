@@ -27,16 +27,22 @@ from kvtier.controller.tier_metrics import TIER_NAMES, PlaneGauges
 log = logging.getLogger(__name__)
 
 
-def _families(registry: CollectorRegistry, names: set[str]) -> dict[str, list[tuple[dict[str, str], float]]]:
-    out: dict[str, list[tuple[dict[str, str], float]]] = {n: [] for n in names}
-    for fam in registry.collect():
+Samples = dict[str, list[tuple[dict[str, str], float]]]  # sample name -> [(labels, value)]
+
+
+def sampled_families(registry: CollectorRegistry, names: set[str]) -> Samples:
+    """Samples of ``names`` (sample names), collected from only the collectors that declare those families
+    (the registry's restricted view): a whole collect every ``interval_s`` walked every family of the
+    sidecar, engine-side KV-event exporters included, and cost the sidecar CPU on the engine's host."""
+    out: Samples = {n: [] for n in names}
+    for fam in registry.restricted_registry(names).collect():
         for s in fam.samples:
             if s.name in out:
                 out[s.name].append((dict(s.labels), float(s.value)))
     return out
 
 
-_WANTED = {
+HISTORY_SAMPLES = {
     "kvtier_tier_used_bytes",
     "kvtier_tier_capacity_bytes",
     "kvtier_tier_hit_tokens_total",
@@ -77,7 +83,7 @@ class History:
                 self.on_sample()
             except Exception:  # noqa: BLE001 - the page must keep working
                 log.exception("status page: gauge refresh failed")
-        f = _families(self.registry, _WANTED)
+        f = sampled_families(self.registry, HISTORY_SAMPLES)
 
         def by(name: str, label: str) -> dict[str, float]:
             return {lab.get(label, ""): v for lab, v in f[name]}

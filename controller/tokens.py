@@ -66,4 +66,4 @@ class TokenStore:
                 k = e[0]
         if k is not None:
             return None
-        return tuple(int(x) for x in np.frombuffer(b"".join(reversed(parts)), dtype=np.int32))
+        return tuple(np.frombuffer(b"".join(reversed(parts)), dtype=np.int32).tolist())

@@ -51,9 +51,12 @@ def test_lmcache_mp_lookup_hits_summed_over_label_sets() -> None:
 
 def test_broken_text_keeps_good_families_and_counts_the_rest() -> None:
     good = (DATA / "lmcache_mp_metrics.txt").read_text()
-    broken = good + "# TYPE lmcache_mp_bogus gauge\nlmcache_mp_bogus{oops 1.0 nonsense\n"
+    broken = good + "# TYPE lmcache_mp_bogus gauge\n<html>502 Bad Gateway</html>\n"
     s = parse_lmcache_mp(broken, None)
     assert s.broken_blocks == 1 and s.counters["l1_write_chunks"] == 4
+    # a malformed sample of a family the collector does not read is skipped before parsing, not counted
+    unread = good + "# TYPE lmcache_mp_bogus gauge\nlmcache_mp_bogus{oops 1.0 nonsense\n"
+    assert parse_lmcache_mp(unread, None).broken_blocks == 0
     with pytest.raises(ValueError, match="lmcache_mp"):
         parse_lmcache_mp("garbage\n", None)
 
@@ -155,3 +158,38 @@ def test_scrape_get_retries_once_on_a_stale_keepalive_connection() -> None:
             return (await col.get("/metrics")).text
 
     assert asyncio.run(go()) == "ok" and calls["n"] == 2
+
+
+def test_lmcache_mp_parses_only_the_samples_it_reads_and_gets_the_same_sample(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The collector parses only the sample lines it reads (every scrape, on the engine's host). On a real
+    end-of-run scrape of LMCache MP 0.5.6 (277 lines) its sample equals the one a whole parse gives, so no
+    read name is missing from ``READ_SAMPLES``, and most sample lines are skipped."""
+    import kvtier.collectors.lmcache_mp as mp
+    from kvtier.collectors.promtext import parse_families
+
+    text = (DATA / "lmcache_mp_metrics_live.txt").read_text()
+    status = json.loads((DATA / "lmcache_mp_status.json").read_text())
+    reduced = parse_lmcache_mp(text, status)
+    assert reduced.counters["l1_write_chunks"] > 0 and reduced.reuse_gap_seconds.count > 0
+    monkeypatch.setattr(mp, "parse_families", lambda t, keep=None: parse_families(t))
+    assert parse_lmcache_mp(text, status) == reduced
+    whole, kept = parse_families(text), parse_families(text, keep=mp.READ_SAMPLES)
+    assert kept.types == whole.types
+    assert sum(map(len, kept.samples.values())) < sum(map(len, whole.samples.values())) / 2
+
+
+def test_keeper_reads_lmcache_l1_hits_from_a_real_scrape_and_its_lazy_absence() -> None:
+    """The keeper's guard reads one counter every period: on a real scrape it is what the collector reads;
+    before LMCache's first look-up the family is absent (0 hits); a text with no lmcache_mp_ family is not
+    LMCache at all (None); a broken line elsewhere does not hide the counter."""
+    from kvtier.controller.l1_keeper import l1_hit_tokens
+
+    text = (DATA / "lmcache_mp_metrics_live.txt").read_text()
+    hits = l1_hit_tokens(text)
+    assert hits is not None and hits > 0 and hits == parse_lmcache_mp(text, None).hit_tokens_by_tier["cpu"]
+    lazy = "".join(line for line in text.splitlines(keepends=True) if "lookup_hit_l1_tokens" not in line)
+    assert l1_hit_tokens(lazy) == 0.0
+    assert l1_hit_tokens("# TYPE vllm:x counter\nvllm:x_total 1\n") is None
+    assert l1_hit_tokens(text + "<html>502</html>\n") == hits

@@ -112,3 +112,21 @@ def test_documented_labels_and_values_are_the_registered_ones(tmp_path: Path) ->
                     assert want <= got, (metric, label, "documented, never emitted:", sorted(want - got))
                 checked += 1
     assert checked >= 8  # the controller's pre-created outcome/action/tier label sets are compared
+
+
+def test_status_history_collects_only_its_families_and_misses_none(tmp_path: Path) -> None:
+    """The status page samples a few families every second from the registry's restricted view, which only
+    reaches collectors that declare their families: on the fully configured sidecar it finds every sample a
+    whole collect finds for those names, and it skips the other collectors."""
+    from kvtier.controller import status_page
+
+    sc = _sidecar(tmp_path)
+    whole: dict[str, list[tuple[dict[str, str], float]]] = {n: [] for n in status_page.HISTORY_SAMPLES}
+    for fam in sc.registry.collect():
+        for s in fam.samples:
+            if s.name in whole:
+                whole[s.name].append((dict(s.labels), float(s.value)))
+    assert status_page.sampled_families(sc.registry, status_page.HISTORY_SAMPLES) == whole
+    assert whole["kvtier_blocks_tracked"] and whole["kvtier_guard_acting"]  # custom exporter and keeper
+    served = {f.name for f in sc.registry.restricted_registry(status_page.HISTORY_SAMPLES).collect()}
+    assert "kvtier_kv_events" not in served and "process_cpu_seconds" not in served
