@@ -530,10 +530,14 @@ L1_HIT_TOKENS = "lmcache_mp_lookup_hit_l1_tokens"  # LMCache MP's counter (famil
 def l1_hit_tokens(metrics_text: str) -> float | None:
     """LMCache MP's look-up hits served from L1 (tokens, summed over label sets) in a ``/metrics`` text;
     None when absent (LMCache creates the family lazily, at its first look-up: then no hits yet -> 0.0 if
-    any other ``lmcache_mp_`` family is there). Only that counter's sample lines are parsed."""
+    any other ``lmcache_mp_`` family is there). Only that counter's sample lines are parsed; a broken block
+    elsewhere is skipped, but when the counter is absent and some block was broken it may have been the
+    counter's, so the reading is unknown (None), not 0."""
     p = parse_families(metrics_text, keep={L1_HIT_TOKENS + "_total"})
     if L1_HIT_TOKENS in p.types:
         return float(sum(x.value for x in p.get(L1_HIT_TOKENS + "_total")))
+    if p.broken_blocks:
+        return None
     return 0.0 if any(n.startswith("lmcache_mp_") for n in p.types) else None
 
 

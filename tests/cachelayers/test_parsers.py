@@ -183,7 +183,8 @@ def test_lmcache_mp_parses_only_the_samples_it_reads_and_gets_the_same_sample(
 def test_keeper_reads_lmcache_l1_hits_from_a_real_scrape_and_its_lazy_absence() -> None:
     """The keeper's guard reads one counter every period: on a real scrape it is what the collector reads;
     before LMCache's first look-up the family is absent (0 hits); a text with no lmcache_mp_ family is not
-    LMCache at all (None); a broken line elsewhere does not hide the counter."""
+    LMCache at all (None); a broken line elsewhere does not hide the counter, a broken counter line makes
+    the reading unknown (None: the guard skips the period) rather than 0 (which it would take for a reset)."""
     from kvtier.controller.l1_keeper import l1_hit_tokens
 
     text = (DATA / "lmcache_mp_metrics_live.txt").read_text()
@@ -193,3 +194,5 @@ def test_keeper_reads_lmcache_l1_hits_from_a_real_scrape_and_its_lazy_absence() 
     assert l1_hit_tokens(lazy) == 0.0
     assert l1_hit_tokens("# TYPE vllm:x counter\nvllm:x_total 1\n") is None
     assert l1_hit_tokens(text + "<html>502</html>\n") == hits
+    broken = text.replace("lmcache_mp_lookup_hit_l1_tokens_total{", "lmcache_mp_lookup_hit_l1_tokens_total{{")
+    assert broken != text and l1_hit_tokens(broken) is None  # unknown, not a counter reset to 0
