@@ -16,6 +16,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from kvtier.collectors import lmcache_mp, vllm_metrics
@@ -54,7 +55,7 @@ def main() -> None:
         assert set(whole.types) == set(kept.types)
         assert all(whole.get(n) == kept.get(n) for n in read)
         whole_ms, kept_ms = interleaved_ms(
-            lambda t=text: parse_families(t), lambda t=text, r=read: parse_families(t, keep=r), args.repeat
+            partial(parse_families, text), partial(parse_families, text, keep=read), args.repeat
         )
         print(f"{what:<30} {whole_ms:>9.3f} {kept_ms:>11.3f} {whole_ms / kept_ms:>14.2f}")
 
