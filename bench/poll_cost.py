@@ -1,4 +1,4 @@
-"""What do the sidecar's polls cost the engine's TTFT? A switchback inside one run, with no sidecar at all.
+"""What do the sidecar's polls -- or the whole sidecar -- cost the engine's TTFT? A switchback inside one run.
 
 The shadow sidecar costs TTFT on a 2-core host (docs/perf/live_ab_lmcache_l1.md), and comparing arms across
 runs cannot attribute a cost of 1-3 % against the host's ±20 % drift. This bench starts one fresh stack
@@ -10,7 +10,15 @@ are labelled by the window they were sent in; the ratio of mean TTFT in polling 
 windows, over adjacent pairs of windows, is what polling alone costs (a t interval over the pairs: adjacent
 windows share the host's minute). It also prints each endpoint's response time.
 
-    python -m bench.poll_cost --model /work/ab/model-512x8 --requests 1500      # ~4 min
+With ``--sidecar MODE`` no poller runs: a real ``kvtier serve --mode MODE --actuator lmcache-l1`` (as
+``bench.live_ab`` starts it) watches the stack, and is frozen (SIGSTOP) in the odd windows and thawed
+(SIGCONT) in the even ones. Its whole presence -- KV-event ingest, polls, the keeper, the status page -- is
+then what the even windows pay. The work of a frozen window is not lost: the KV events it missed wait in
+the sockets and are ingested when it thaws, so the even windows carry about twice the sidecar's average
+work and the ratio measures up to twice its average cost (an upper bound on the cost of its presence).
+
+    python -m bench.poll_cost --model /work/ab/model-512x8 --requests 1500                    # ~4 min
+    python -m bench.poll_cost --model /work/ab/model-512x8 --requests 1500 --sidecar shadow   # ~4 min
 """
 
 from __future__ import annotations
@@ -19,7 +27,11 @@ import argparse
 import asyncio
 import math
 import multiprocessing as mp
+import os
+import signal
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,7 +42,7 @@ import numpy as np
 from scipy import stats as sps
 
 from bench.live_ab import ManagedStack, kv_bytes_per_chunk
-from kvtier.replay.live_bench import BenchRequest, send_all
+from kvtier.replay.live_bench import BenchRequest, Sidecar, free_port, send_all
 
 
 def window_pairs(
@@ -86,6 +98,25 @@ def poll(urls: Sequence[str], t0: float, window_s: float, interval_s: float, sto
     out.put(latency)
 
 
+def freeze_switch(pid: int, t0: float, window_s: float, stop: threading.Event) -> None:
+    """Keep process ``pid`` running in even windows of ``window_s`` after ``t0`` (perf_counter) and frozen
+    (SIGSTOP) in odd ones until ``stop`` is set; it is left running."""
+    try:
+        while not stop.is_set():
+            now = time.perf_counter()
+            k = int((now - t0) // window_s) if now >= t0 else 0
+            os.kill(pid, signal.SIGSTOP if k % 2 else signal.SIGCONT)
+            stop.wait(max(0.0, t0 + (k + 1) * window_s - time.perf_counter()))  # to the next window's start
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def requests(n: int, prompt_tokens: int, vocab: int, seed: int = 0) -> list[BenchRequest]:
     rng = np.random.default_rng(seed)
     return [BenchRequest(0.0, rng.integers(1, vocab, prompt_tokens).tolist(), 2) for _ in range(n)]
@@ -100,6 +131,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--l1-chunks", type=int, default=458)
     ap.add_argument("--window-s", type=float, default=6.0)
     ap.add_argument("--interval-s", type=float, default=2.0, help="the sidecar's default scrape cadence")
+    ap.add_argument(
+        "--sidecar", choices=("shadow", "active"), help="switch a real sidecar in this mode instead of polls"
+    )
     a = ap.parse_args(argv)
     l1_gb = round(a.l1_chunks * kv_bytes_per_chunk(a.model) / 2**30, 4)
     with tempfile.TemporaryDirectory(prefix="poll-cost-") as tmp:
@@ -111,19 +145,45 @@ def main(argv: Sequence[str] | None = None) -> None:
             urls = [f"{tgt.engine_url}/metrics", f"{tgt.lmcache_url}/metrics", f"{tgt.lmcache_url}/status"]
             times: list[tuple[float, float]] = []
             start: list[float] = []
-            ctx = mp.get_context("spawn")
-            stop, out = ctx.Event(), ctx.Queue()
-            t0 = time.perf_counter() + 3.0  # the poller's process starts meanwhile
-            poller = ctx.Process(target=poll, args=(urls, t0, a.window_s, a.interval_s, stop, out))
-            poller.start()
-            while time.perf_counter() < t0:
-                time.sleep(0.01)  # start of the first window, not synchronisation
-            asyncio.run(
-                send_all(tgt.engine_url, tgt.model, reqs[20:], concurrency=1, times=times, start=start)
-            )
-            stop.set()
-            latency = out.get(timeout=60)
-            poller.join(timeout=30)
+            latency: dict[str, list[float]] = {}
+            side_cpu = math.nan
+
+            def serve_from(t0: float) -> None:
+                while time.perf_counter() < t0:
+                    time.sleep(0.01)  # start of the first window, not synchronisation
+                asyncio.run(
+                    send_all(tgt.engine_url, tgt.model, reqs[20:], concurrency=1, times=times, start=start)
+                )
+
+            if a.sidecar:
+                side = Sidecar(
+                    ["--engine-url", tgt.engine_url, "--lmcache-url", str(tgt.lmcache_url), "--actuator",
+                     "lmcache-l1", "--policy", "none", "--state-dir", f"{tmp}/state"],
+                    a.sidecar, free_port(), Path(tmp) / "sidecar.log", exe=[sys.executable, "-m", "kvtier"],
+                ).start()  # fmt: skip
+                assert side.proc is not None
+                pid, t0 = side.proc.pid, time.perf_counter() + 3.0
+                halt = threading.Event()
+                switch = threading.Thread(target=freeze_switch, args=(pid, t0, a.window_s, halt), daemon=True)
+                switch.start()
+                cpu0 = cpu_s(pid)
+                try:
+                    serve_from(t0)
+                finally:
+                    halt.set()
+                    switch.join(timeout=30)
+                    side_cpu = cpu_s(pid) - cpu0
+                    side.stop()
+            else:
+                ctx = mp.get_context("spawn")
+                stop, out = ctx.Event(), ctx.Queue()
+                t0 = time.perf_counter() + 3.0  # the poller's process starts meanwhile
+                poller = ctx.Process(target=poll, args=(urls, t0, a.window_s, a.interval_s, stop, out))
+                poller.start()
+                serve_from(t0)
+                stop.set()
+                latency = out.get(timeout=60)
+                poller.join(timeout=30)
         finally:
             stack.down("poll", 0)
     shift = start[0] - t0  # send times are relative to send_all's start; windows to the poller's
@@ -131,15 +191,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     ttft = [f - s for s, f in times]
     pairs = window_pairs(sent, ttft, a.window_s)
     r, lo, hi = pair_ratio_ci(pairs)
-    print(f"{len(ttft)} requests of {a.prompt_tokens} fresh tokens, windows of {a.window_s} s, "
-          f"polls every {a.interval_s} s in alternate windows")  # fmt: skip
+    what = (
+        f"a {a.sidecar} sidecar thawed in alternate windows ({side_cpu:.1f} CPU s)"
+        if a.sidecar
+        else f"polls every {a.interval_s} s in alternate windows"
+    )
+    print(f"{len(ttft)} requests of {a.prompt_tokens} fresh tokens, windows of {a.window_s} s, {what}")
     for u, lat in latency.items():
         if lat:
             print(f"  {u}: {len(lat)} polls, response {1000 * np.median(lat):.1f} ms median, "
                   f"{1000 * np.max(lat):.1f} ms max")  # fmt: skip
     on = np.mean([p[0] for p in pairs]) if pairs else math.nan
     off = np.mean([p[1] for p in pairs]) if pairs else math.nan
-    print(f"TTFT mean while polling {on:.4f} s, quiet {off:.4f} s; "
+    print(f"TTFT mean while {'running' if a.sidecar else 'polling'} {on:.4f} s, quiet {off:.4f} s; "
           f"ratio over {len(pairs)} pairs {r:.4f} [{lo:.4f}, {hi:.4f}] (95 % t)")  # fmt: skip
 
 

@@ -1,12 +1,17 @@
-"""Pure parts of ``bench.poll_cost``: switchback windows and their paired ratio."""
+"""``bench.poll_cost``: switchback windows, their paired ratio, and the freeze switch on a real process."""
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 
-from bench.poll_cost import pair_ratio_ci, window_pairs
+from bench.poll_cost import cpu_s, freeze_switch, pair_ratio_ci, window_pairs
 
 
 def test_windows_pair_each_polling_window_with_the_quiet_one_after_it() -> None:
@@ -28,3 +33,35 @@ def test_pair_ratio_interval_covers_a_known_cost_and_excludes_one() -> None:
         [(h * (1 + rng.normal(0, 0.005)), h * (1 + rng.normal(0, 0.005))) for h in host]
     )
     assert lo <= 1.0 <= hi, (r, lo, hi)
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_freeze_switch_stops_a_real_process_in_odd_windows_and_leaves_it_running() -> None:
+    """A busy child process is frozen (state T) in odd windows and runs in even ones; once the switch is
+    halted it runs again, and its CPU seconds kept growing while it ran."""
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    halt = threading.Event()
+    try:
+        t0 = time.perf_counter()
+        sw = threading.Thread(target=freeze_switch, args=(child.pid, t0, 0.3, halt), daemon=True)
+        sw.start()
+        seen: set[str] = set()
+        deadline = time.monotonic() + 10
+        while not {"T", "R"} <= seen and time.monotonic() < deadline:
+            seen.add(_state(child.pid))
+        assert {"T", "R"} <= seen, seen
+        halt.set()
+        sw.join(timeout=5)
+        assert not sw.is_alive()
+        c0 = cpu_s(child.pid)
+        deadline = time.monotonic() + 10
+        while cpu_s(child.pid) <= c0 and time.monotonic() < deadline:
+            pass  # polling the child's CPU counter with a deadline
+        assert _state(child.pid) != "T" and cpu_s(child.pid) > c0
+    finally:
+        halt.set()
+        child.kill()
+        child.wait()
