@@ -42,7 +42,7 @@ import numpy as np
 from scipy import stats as sps
 
 from bench.live_ab import ManagedStack, kv_bytes_per_chunk
-from kvtier.replay.live_bench import BenchRequest, Sidecar, free_port, send_all
+from kvtier.replay.live_bench import BenchRequest, SidecarProcess, free_port, send_all
 
 
 def window_pairs(
@@ -156,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 )
 
             if a.sidecar:
-                side = Sidecar(
+                side = SidecarProcess(
                     ["--engine-url", tgt.engine_url, "--lmcache-url", str(tgt.lmcache_url), "--actuator",
                      "lmcache-l1", "--policy", "none", "--state-dir", f"{tmp}/state"],
                     a.sidecar, free_port(), Path(tmp) / "sidecar.log", exe=[sys.executable, "-m", "kvtier"],

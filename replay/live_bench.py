@@ -504,7 +504,7 @@ async def send_all(
 
 
 @dataclass
-class Sidecar:
+class SidecarProcess:
     """``kvtier serve --mode <arm> --listen 127.0.0.1:<port> <args>`` started and stopped by the bench."""
 
     args: list[str]
@@ -518,7 +518,7 @@ class Sidecar:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 120.0) -> Sidecar:
+    def start(self, timeout_s: float = 120.0) -> SidecarProcess:
         cmd = [*self.exe, "serve", "--mode", self.mode, "--listen", f"127.0.0.1:{self.port}", *self.args]
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as fh:
@@ -816,13 +816,15 @@ def run_bench(plan: BenchPlan, progress: Any = None) -> dict[str, Any]:
         target = plan.target
         if plan.before_run:
             target = plan.before_run(arm, i) or target
-        side: Sidecar | None = None
+        side: SidecarProcess | None = None
         try:
             if arm != "baseline" and plan.sidecar_url is None:
                 args = plan.sidecar_args() if callable(plan.sidecar_args) else plan.sidecar_args
                 log_name = f"sidecar_{i}_{arm.replace('/', '_')}.log"
-                side = Sidecar([*args, *plan.arm_args.get(arm, [])], arm.partition("/")[0], free_port(),
-                               plan.workdir / log_name, exe=plan.sidecar_exe).start()  # fmt: skip
+                side = SidecarProcess(
+                    [*args, *plan.arm_args.get(arm, [])], arm.partition("/")[0], free_port(),
+                    plan.workdir / log_name, exe=plan.sidecar_exe,
+                ).start()  # fmt: skip
             surl = plan.sidecar_url if arm != "baseline" else None
             t = Target(target.engine_url, target.lmcache_url, target.model, side.url if side else surl)
             if progress is not None:
