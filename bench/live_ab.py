@@ -127,6 +127,12 @@ class ManagedStack:
             self.lmc = None
 
 
+def keeper_sidecar_args(t: Target, state_dir: Path, extra: Sequence[str] = ()) -> list[str]:
+    """``kvtier serve`` flags of the bench's sidecar on stack ``t``: the L1 keeper, no placement policy."""
+    return ["--engine-url", t.engine_url, "--lmcache-url", str(t.lmcache_url), "--actuator", "lmcache-l1",
+            "--policy", "none", "--state-dir", str(state_dir), *extra]  # fmt: skip
+
+
 def run_ab(
     workload: str,
     n: int,
@@ -157,9 +163,7 @@ def run_ab(
         return holder["t"]
 
     def args_for() -> list[str]:  # per run: the URLs change with every fresh stack
-        t, i = holder["t"], holder_i["i"]
-        return ["--engine-url", t.engine_url, "--lmcache-url", str(t.lmcache_url), "--actuator", "lmcache-l1",
-                "--policy", "none", "--state-dir", str(tmp / f"state{i}"), *sidecar_extra]  # fmt: skip
+        return keeper_sidecar_args(holder["t"], tmp / f"state{holder_i['i']}", sidecar_extra)
 
     plan = BenchPlan(
         target=Target("", None, "tiny"),

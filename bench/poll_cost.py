@@ -41,7 +41,7 @@ import httpx
 import numpy as np
 from scipy import stats as sps
 
-from bench.live_ab import ManagedStack, kv_bytes_per_chunk
+from bench.live_ab import ManagedStack, keeper_sidecar_args, kv_bytes_per_chunk
 from kvtier.replay.live_bench import BenchRequest, SidecarProcess, free_port, send_all
 
 
@@ -157,10 +157,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
             if a.sidecar:
                 side = SidecarProcess(
-                    ["--engine-url", tgt.engine_url, "--lmcache-url", str(tgt.lmcache_url), "--actuator",
-                     "lmcache-l1", "--policy", "none", "--state-dir", f"{tmp}/state"],
-                    a.sidecar, free_port(), Path(tmp) / "sidecar.log", exe=[sys.executable, "-m", "kvtier"],
-                ).start()  # fmt: skip
+                    keeper_sidecar_args(tgt, Path(tmp) / "state"),
+                    a.sidecar,
+                    free_port(),
+                    Path(tmp) / "sidecar.log",
+                    exe=[sys.executable, "-m", "kvtier"],
+                ).start()
                 assert side.proc is not None
                 pid, t0 = side.proc.pid, time.perf_counter() + 3.0
                 halt = threading.Event()
