@@ -94,16 +94,23 @@ def simulate(
     prefetch_budget: int = 0,
     by_turn: bool = False,
     hold_s: float = 0.0,
+    readmit_by_gap: bool = False,
 ) -> BoundRow:
     """``policy`` in ``default``, ``second-sight``, ``probation``, ``oracle``, ``hazard``,
     ``oracle-prefetch`` (see the module doc). ``hold_s``: simulated seconds from the start in which the
-    policy decides but does not act (the keeper's calibration in shadow)."""
+    policy decides but does not act (the keeper's calibration in shadow). ``readmit_by_gap``: the keeper's
+    ``readmit_by_gap`` (False: every dropped chunk seen again is readmitted)."""
     layer = make_layer(sc, offload=True)
     chains = [[int(x) for x in r.hash_ids] for r in reqs]
     nxt = next_use(chains) if policy == "oracle" else []
     if policy in ("hazard", "oracle-prefetch"):
         probation = 32
-    core = AdmissionCore(capacity=sc.tiers[1].capacity_blocks, probation=probation, cold_fill=cold_fill)
+    core = AdmissionCore(
+        capacity=sc.tiers[1].capacity_blocks,
+        probation=probation,
+        cold_fill=cold_fill,
+        readmit_by_gap=readmit_by_gap,
+    )
     hazard = ChainHazard(by_turn=by_turn)
     held: set[int] = set()
     dropped: set[int] = set()
@@ -117,10 +124,6 @@ def simulate(
             core.set_occupancy(layer.resident(Tier.CPU))
             next_status = layer.now + status_every_s
         found = layer.lookup(chain, r.input_length, r.block_tokens)
-        for k, b in enumerate(chain):  # second sight of a dropped chunk, found in L2: reload its prefix
-            if b in dropped and found.tiers[k] is Tier.DISK:
-                readmits += sum(layer.promote(a, Tier.CPU) == "" for a in chain[: k + 1])
-                dropped.discard(b)
         layer.store(chain, found.hit_blocks)
         new = chain[found.hit_blocks :]
         if policy == "second-sight":
@@ -131,6 +134,13 @@ def simulate(
             victims = [b for b in new if nxt[i][b] == NEVER]
         else:
             victims = []
+        # second sight of a dropped chunk, found in L2: the keeper reloads the prefix through the last one
+        # worth it, after the store (it learns of the look-up from the store's KV event)
+        back = [k for k, b in enumerate(chain) if b in dropped and found.tiers[k] is Tier.DISK]
+        dropped.difference_update(chain[k] for k in back)
+        back = [k for k in back if core.readmit_pays(chain[k])]
+        if back:
+            readmits += sum(layer.promote(a, Tier.CPU) == "" for a in chain[: back[-1] + 1])
         if layer.now < hold_s:  # the keeper's calibration: decisions made, none acted
             victims = []
         if policy == "hazard":
@@ -149,6 +159,8 @@ def simulate(
     name = {"probation": f"probation {probation}", "hazard": f"hazard {prefetch_budget}"}.get(policy, policy)
     if cold_fill is not None:
         name += f" + cold {cold_fill:g}"
+    if readmit_by_gap:
+        name += " + gap"
     return BoundRow(name, look.get("cpu", 0), look.get("disk", 0), drops, readmits)
 
 
@@ -195,6 +207,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=20.0,
         help="seconds the policies do not act at the start: the keeper's calibration in shadow (2 x 10 s)",
     )
+    ap.add_argument(
+        "--readmit-by-gap", action="store_true", help="add probation rows with readmission by gap"
+    )
     a = ap.parse_args(argv)
     sc = load_scenario("cpu-tiny")
     reqs = sim_requests(load_workload(a.workload, a.requests))
@@ -207,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         for f in a.cold_fill.split(",")
         if f
     ]
+    if a.readmit_by_gap:
+        rows += [run("probation", probation=int(p), readmit_by_gap=True) for p in a.probation.split(",")]
     budgets = [int(b) for b in a.prefetch_budgets.split(",") if b]
     rows += [run("hazard", prefetch_budget=b) for b in budgets]
     if budgets:

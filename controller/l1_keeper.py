@@ -11,11 +11,13 @@ verified (never the last copy; an unverified one is checked again every ``delay_
 has not appeared after ``verify_deadline_s`` is left alone (counted ``skipped``). When a dropped chunk is
 looked up again (its second sight), LMCache serves it from L2 through a temporary L1 copy it frees after the
 read; so the keeper admits it itself: one ``POST /cache/prefetches`` (L2 -> L1) of the prefix through that
-chunk, off the request path (counted ``l1_readmit``). With ``cold_fill`` (off by default) the core also
-names the admitted chunks of the chains least likely continued next while its model of L1 is fuller than
-that share of capacity -- counted from the L1 object count ``/status`` last reported, moved by the keeper's
-own stores and drops since (cold-chain eviction, see :mod:`kvtier.policies.l1_admission`); they go the same
-way as the probation drops (L2 copy verified, one ``DELETE`` per batch, readmitted at their next sight).
+chunk, off the request path (counted ``l1_readmit``); with ``readmit_by_gap`` only when the core says chunks
+back after as many requests are worth the room (the others counted ``readmit_declined``). With
+``cold_fill`` (off by default) the core also names the admitted chunks of the chains least likely continued
+next while its model of L1 is fuller than that share of capacity -- counted from the L1 object count
+``/status`` last reported, moved by the keeper's own stores and drops since (cold-chain eviction, see
+:mod:`kvtier.policies.l1_admission`); they go the same way as the probation drops (L2 copy verified, one
+``DELETE`` per batch, readmitted at their next sight).
 
 What the layer can and cannot tell (reported in ``status()``): L2 residency per key is verified (``fs``
 files); L1 residency per key is not observable (LMCache MP exposes counts only), so the keeper never
@@ -125,6 +127,7 @@ class L1Keeper:
         delay_s: float = 0.5,
         probation_chunks: int = 32,
         cold_fill: float | None = None,
+        readmit_by_gap: bool = False,
         verify_deadline_s: float = 15.0,
         max_batch: int = 256,
         status_every_s: float = 2.0,
@@ -142,6 +145,7 @@ class L1Keeper:
             require_calibration=True,
             probation=probation_chunks,
             cold_fill=cold_fill,
+            readmit_by_gap=readmit_by_gap,
         )
         self._core_lock = threading.Lock()  # observe (ingest thread) vs measure (worker)
         self.metrics = GuardMetrics(registry)
@@ -184,6 +188,7 @@ class L1Keeper:
                 "unmapped_events",
                 "readmitted",
                 "readmit_failed",
+                "readmit_declined",
                 "measure_failed",
                 "held_by_latency_guard",
             ),
@@ -219,9 +224,11 @@ class L1Keeper:
             picked = self.core.observe(accessed, droppable=set(keys[first_new:]), continues=continues)
             todo = [k for k in picked if isinstance(k, ObjectKey)]
             self._sync_guard()
-        # second sight of a chunk we dropped: LMCache serves it from L2 through a temporary L1 copy that it
-        # frees after the read, so admission means loading the prefix into L1 ourselves
-        back = [i for i, k in enumerate(accessed) if k.chunk_hash_hex in self._dropped]
+            # second sight of a chunk we dropped: LMCache serves it from L2 through a temporary L1 copy that
+            # it frees after the read, so admission means loading the prefix into L1 ourselves -- if the
+            # core says a chunk back after its gap is worth the room (with ``readmit_by_gap``)
+            back = [i for i, k in enumerate(accessed) if k.chunk_hash_hex in self._dropped]
+            worth = [i for i in back if self.core.readmit_pays(accessed[i])]
         if not todo and not back:
             return
         if not self.is_active():
@@ -237,9 +244,11 @@ class L1Keeper:
                 self._seq += 1
                 heapq.heappush(self._due, (due, self._seq, now + self.verify_deadline_s, k))
             if back and self.core.acting:
-                last = back[-1] + (len(keys) - len(accessed))  # index in ``keys``
                 for i in back:
                     self._dropped.pop(accessed[i].chunk_hash_hex, None)
+                self._count("readmit_declined", "l1_readmit", len(back) - len(worth))
+            if worth and self.core.acting:
+                last = worth[-1] + (len(keys) - len(accessed))  # index in ``keys``
                 self._seq += 1
                 heapq.heappush(
                     self._due, (now, self._seq, now + self.verify_deadline_s, toks[: (last + 1) * cs])

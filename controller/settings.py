@@ -364,6 +364,12 @@ class LMCacheL1Settings(_Section):
         " LMCache's eviction watermark (0.8): 0.75; null = off, the default: it did not pay on the live rig"
         " (docs/perf/live_ab_lmcache_l1.md)",
     )  # fmt: skip
+    readmit_by_gap: bool = Field(
+        default=False,
+        description="readmit a dropped chunk at its second sight only if chunks back after as many requests"
+        " are used again (while they would stay in L1) at least as often as the average second sight"
+        " (learned online); false = readmit every one",
+    )
     delay_s: float = Field(
         default=0.5, ge=0,
         description="with probation 0, wait after a store before its L1 drop; always the wait before"

@@ -33,6 +33,15 @@ drops are not played into the simulated admission L1 (a plain LRU at full capaci
 watermark they work around, so it would only count their cost): the measured guard, on the layer's own
 counter, judges them.
 
+Readmission by gap (``readmit_by_gap``): the caller loads a dropped chunk back into L1 at its second sight.
+Whether that chunk is needed a third time depends on how long it was away: on the bundled trace 37 % of
+the chunks back within 250 requests are used again, 8 % of those back after 300 or more.
+:meth:`AdmissionCore.readmit_pays` asks :class:`~kvtier.policies.reuse_gap.ReuseByGap`, which learns that
+rate per gap bin online, counting a third sight only if it came while the chunk would still be in L1: within
+the simulated admission L1's eviction age (how long an untouched chunk stays there, followed online). In the
+calibrated simulator it adds 2-6 points of L1 hits to probation 32 on the bundled trace and halves the
+readmissions; on the synthetic workloads it moves them between -2.4 and +6.4 points.
+
 Guard, two signals. (1) Simulated: every ``window`` observed chunk accesses the two simulated L1s' hit
 counts are compared. When admission lost more than ``margin`` (relative to the default's hits, and at least
 ``min_gap`` chunks) the guard trips: the sidecar stops acting (shadow) while both simulations keep running;
@@ -52,14 +61,19 @@ from collections.abc import Container, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvtier.policies.chain_hazard import ChainHazard
+from kvtier.policies.reuse_gap import ReuseByGap
 
 
 class _Lru:
-    """A bounded LRU set (capacity in chunks; a capacity change takes effect at the next insert)."""
+    """A bounded LRU set (capacity in chunks; a capacity change takes effect at the next insert). It also
+    follows how long an entry stays untouched before it is evicted (``eviction_age``: an EWMA, in the
+    caller's clock units, None before the first eviction)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, age_alpha: float = 1 / 64) -> None:
         self.capacity = capacity
-        self._d: OrderedDict[Hashable, None] = OrderedDict()
+        self._d: OrderedDict[Hashable, int] = OrderedDict()  # key -> clock at its last touch
+        self.age_alpha = age_alpha
+        self.eviction_age: float | None = None
 
     def __contains__(self, k: Hashable) -> bool:
         return k in self._d
@@ -71,11 +85,13 @@ class _Lru:
         """Oldest first (the next to go)."""
         return iter(self._d)
 
-    def touch(self, k: Hashable) -> None:
-        self._d[k] = None
+    def touch(self, k: Hashable, now: int = 0) -> None:
+        self._d[k] = now
         self._d.move_to_end(k)
         while len(self._d) > max(self.capacity, 0):
-            self._d.popitem(last=False)
+            _, t = self._d.popitem(last=False)
+            a = self.eviction_age
+            self.eviction_age = float(now - t) if a is None else a + self.age_alpha * (now - t - a)
 
     def discard(self, k: Hashable) -> None:
         self._d.pop(k, None)
@@ -102,13 +118,16 @@ class AdmissionCore:
     seen_max: int = 1 << 20
     probation: int = 0  # first-sight chunks that wait in L1 before the oldest unseen-again one is dropped
     cold_fill: float | None = None  # keep the modelled L1 under this share of capacity (cold chains go)
+    readmit_by_gap: bool = False  # readmit a dropped chunk only if chunks back after its gap pay (see doc)
     cold_drops: int = 0  # chunks the cold-chain eviction chose (acting or not)
     acting: bool = True  # False while the guard holds the sidecar in shadow
     trips: int = 0
     resumes: int = 0
     windows_closed: int = 0
     windows: list[GuardWindow] = field(default_factory=list)
-    _seen: OrderedDict[Hashable, None] = field(default_factory=OrderedDict)
+    _seen: OrderedDict[Hashable, tuple[int, int]] = field(default_factory=OrderedDict)  # last request, sights
+    requests: int = 0  # requests observed (a prefill in pieces is one)
+    last_gaps: dict[Hashable, int] = field(default_factory=dict)  # the latest call's second sights: gap
     _probation: OrderedDict[Hashable, None] = field(default_factory=OrderedDict)  # first-sight, oldest first
     _default: _Lru = field(init=False)
     _admit: _Lru = field(init=False)
@@ -139,6 +158,7 @@ class AdmissionCore:
         self._default = _Lru(self.capacity)
         self._admit = _Lru(self.capacity)
         self.hazard = ChainHazard() if self.cold_fill is not None else None
+        self.reuse = ReuseByGap() if self.readmit_by_gap else None
         # cold-chain eviction's model of the layer's L1 (oldest first) and the chunks dropped from it
         self.l1_model: OrderedDict[Hashable, None] = OrderedDict()
         self.dropped_keys: OrderedDict[Hashable, None] = OrderedDict()
@@ -179,6 +199,10 @@ class AdmissionCore:
         request (the cold-chain ranking counts ages in requests)."""
         keys = list(keys)
         drop: list[Hashable] = []
+        if not continues:
+            self.requests += 1
+        now = self.requests
+        self.last_gaps = {}
         for k in keys:
             self._w_acc += 1
             if k in self._default:
@@ -187,24 +211,34 @@ class AdmissionCore:
             if k in self._admit:
                 self._w_adm += 1
                 self.total_admission_hits += 1
-            self._default.touch(k)
-            first = k not in self._seen
+            self._default.touch(k, now)
+            prev = self._seen.get(k)
+            first = prev is None
+            if prev is not None and prev[1] == 1 and prev[0] < now:
+                self.last_gaps[k] = now - prev[0]
+                if self.reuse is not None:
+                    self.reuse.observe_second_sight(now, k, now - prev[0])
+            elif prev is not None and self.reuse is not None:
+                self.reuse.observe_sight(now, k)
             if first and (droppable is None or k in droppable):
                 if self.probation > 0:
-                    self._admit.touch(k)  # in L1 while on probation
+                    self._admit.touch(k, now)  # in L1 while on probation
                     self._probation[k] = None
                 else:
                     self._admit.discard(k)
                     drop.append(k)
             else:
-                self._admit.touch(k)
+                self._admit.touch(k, now)
                 self._probation.pop(k, None)  # seen again while on probation: it stays
-            self._seen[k] = None
+            self._seen[k] = (now, 1 if prev is None else prev[1] + (prev[0] < now))
             self._seen.move_to_end(k)
             if len(self._seen) > self.seen_max:
                 self._seen.popitem(last=False)
             if self._w_acc >= self.window:
                 self._close_window()
+        if self.reuse is not None and self._admit.eviction_age is not None:
+            # a reuse counts if it comes while the chunk would still be in L1: as long as chunks stay there
+            self.reuse.horizon = max(1, round(self._admit.eviction_age))  # requests
         while len(self._probation) > self.probation:
             k, _ = self._probation.popitem(last=False)
             self._admit.discard(k)
@@ -212,6 +246,20 @@ class AdmissionCore:
         if self.hazard is not None:
             drop += self._drop_cold(keys, droppable, drop, continues)
         return drop if self.acting else []
+
+    @property
+    def eviction_age(self) -> float | None:
+        """How long a chunk stays untouched in the simulated admission L1 before it goes (requests, EWMA)."""
+        return self._admit.eviction_age
+
+    def readmit_pays(self, k: Hashable) -> bool:
+        """Whether to load dropped chunk ``k`` back into L1 now that the latest :meth:`observe` saw it again
+        (with ``readmit_horizon``, only if chunks back after its gap are used again at least as often as the
+        average second sight, :class:`~kvtier.policies.reuse_gap.ReuseByGap`; otherwise always)."""
+        gap = self.last_gaps.get(k)
+        if self.reuse is None or gap is None:
+            return True
+        return self.reuse.pays(self.requests, gap)
 
     def _drop_cold(
         self,
@@ -369,6 +417,8 @@ class AdmissionCore:
             "resumes": self.resumes,
             "cold_fill": self.cold_fill,
             "cold_drops": self.cold_drops,
+            "admission_l1_eviction_age_requests": self.eviction_age,
+            "readmission_by_gap": None if self.reuse is None else self.reuse.status(),
             "l1_reported_chunks": self._occupancy,  # as last read, moved by the core's own stores and drops
             "simulated_l1_hits": {"default": self.total_default_hits, "admission": self.total_admission_hits},
             "measured": {

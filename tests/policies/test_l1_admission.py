@@ -263,3 +263,25 @@ def test_cold_fill_drops_a_chains_tail_before_its_head() -> None:
     assert c.cold_drops == 0
     c.observe(["d.0", "d.1"])
     assert c.observe(["d.0", "d.1"]) == ["c.5", "c.4"]  # 2 over the line: the older chain's tail
+
+
+def test_readmission_by_gap_declines_chunks_back_after_gaps_that_are_not_used_again() -> None:
+    """Chunks back 3 requests after their first sight are used a third time; chunks back after 300 are not.
+    Once the core has seen that (labels matured over the horizon), it declines to readmit the long-gap kind
+    and still readmits the short-gap kind; without ``readmit_by_gap`` it readmits every one."""
+    on, off = AdmissionCore(64, probation=1, readmit_by_gap=True), AdmissionCore(64, probation=1)
+    script: dict[int, list[str]] = {}
+    for j in range(600):  # chunk s{j}: requests j, j+3, j+5; chunk l{j}: requests j, j+300
+        for t, k in ((j, f"s{j}"), (j + 3, f"s{j}"), (j + 5, f"s{j}"), (j, f"l{j}"), (j + 300, f"l{j}")):
+            script.setdefault(t, []).append(k)
+    for t in range(max(script) + 1):
+        for c in (on, off):
+            c.observe(script.get(t, [f"pad{t}"]))
+        if t == 302:  # long gaps seen, none matured yet: every one is readmitted
+            assert on.last_gaps == {"s299": 3, "l2": 300} and on.readmit_pays("l2")
+        if t == 602:
+            assert on.last_gaps == {"s599": 3, "l302": 300}
+            assert on.readmit_pays("s599") and not on.readmit_pays("l302")
+            assert off.readmit_pays("s599") and off.readmit_pays("l302")
+            assert on.reuse is not None and on.reuse.horizon == round(on.eviction_age or -1) < 300
+    assert on.status()["readmission_by_gap"] is not None and off.status()["readmission_by_gap"] is None

@@ -84,3 +84,17 @@ def test_oracle_prefetch_is_the_ceiling_of_the_prefetch_rows() -> None:
     ceiling = simulate(sc, reqs, "oracle-prefetch")
     assert all(ceiling.l1_hit_tokens > r.l1_hit_tokens for r in rows)
     assert ceiling.l2_hit_tokens < min(r.l2_hit_tokens for r in rows)
+
+
+def test_readmission_by_gap_adds_l1_hits_to_probation_on_the_bundled_trace_with_fewer_loads() -> None:
+    """Declining to readmit the chunks whose gap bin is rarely used again (learned online) leaves L1 to the
+    others: more L1 hits with fewer L2 -> L1 loads, and no hit token lost overall."""
+    sc = load_scenario("cpu-tiny")
+    reqs = sim_requests(load_workload("bundled", 1000))
+    d = simulate(sc, reqs, "default", pace_s=0.2, hold_s=20.0)
+    p = simulate(sc, reqs, "probation", probation=32, pace_s=0.2, hold_s=20.0)
+    g = simulate(sc, reqs, "probation", probation=32, pace_s=0.2, hold_s=20.0, readmit_by_gap=True)
+    assert g.l1_hit_tokens > 1.02 * p.l1_hit_tokens > 1.02 * d.l1_hit_tokens
+    assert g.readmits < 0.75 * p.readmits and g.drops == p.drops
+    assert g.l1_hit_tokens + g.l2_hit_tokens == d.l1_hit_tokens + d.l2_hit_tokens
+    assert g.policy == "probation 32 + gap"
