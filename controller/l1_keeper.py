@@ -12,7 +12,7 @@ has not appeared after ``verify_deadline_s`` is left alone (counted ``skipped``)
 looked up again (its second sight), LMCache serves it from L2 through a temporary L1 copy it frees after the
 read; so the keeper admits it itself: one ``POST /cache/prefetches`` (L2 -> L1) of the prefix through that
 chunk, off the request path (counted ``l1_readmit``); with ``readmit_by_gap`` only when the core says chunks
-back after as many requests are worth the room (the others counted ``readmit_declined``). With
+back after as many requests are worth the room (the others counted ``readmit_declined``; on by default). With
 ``cold_fill`` (off by default) the core also names the admitted chunks of the chains least likely continued
 next while its model of L1 is fuller than that share of capacity -- counted from the L1 object count
 ``/status`` last reported, moved by the keeper's own stores and drops since (cold-chain eviction, see
@@ -127,7 +127,7 @@ class L1Keeper:
         delay_s: float = 0.5,
         probation_chunks: int = 32,
         cold_fill: float | None = None,
-        readmit_by_gap: bool = False,
+        readmit_by_gap: bool = True,
         verify_deadline_s: float = 15.0,
         max_batch: int = 256,
         status_every_s: float = 2.0,
