@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -409,3 +410,17 @@ def test_report_table_keeps_every_actuation_and_guard_count_readable() -> None:
     text = con.export_text()
     assert text.count("guard_windows:pays 27") == 5 and text.count("guard_trips 0") == 5, text
     assert text.count("l1_admission/applied 20248") == 5 and "…" not in text, text
+
+
+def test_pool_ab_takes_a_series_arm_under_the_pooled_name(tmp_path: Path) -> None:
+    """``FILE:ARM``: a variant arm that later became the default pools as ``--arm``; a missing arm is a
+    one-line error naming the arms there are."""
+    from bench.pool_ab import load_series
+
+    p = tmp_path / "s.json"
+    p.write_text(json.dumps({"arms": {"baseline": {"n": 0}, "active": {"n": 1}, "active/gap": {"n": 2}}}))
+    assert load_series(str(p), "active")["arms"]["active"] == {"n": 1}
+    doc = load_series(f"{p}:active/gap", "active")
+    assert doc["arms"] == {"baseline": {"n": 0}, "active": {"n": 2}}
+    with pytest.raises(SystemExit, match="no arm 'shadow' .*arms: baseline, active, active/gap"):
+        load_series(f"{p}:shadow", "active")
