@@ -3,9 +3,9 @@
 When a chunk is seen for the second time, the number of requests since its first sight (its *gap*) says
 something about whether it will be needed a third time: on the bundled conversation trace a chunk back
 within 250 requests (the next turn of a conversation, after the user's think time) is used again 37 % of
-the time, one back after 300 or more requests (a document or prefix a new conversation happens to share)
-8 %. The L1 keeper reloads a chunk it dropped into L1 at its second sight (readmission); a chunk that will
-not be used again only takes the room of one that would.
+the time, one back after 300 or more requests 8 % (plausibly a prefix a later conversation happens to
+share; the trace has no session ids to tell). The L1 keeper reloads a chunk it dropped into L1 at its
+second sight (readmission); a chunk that will not be used again only takes the room of one that would.
 
 Per gap bin (``bit_length`` of the gap in requests: 1, 2-3, 4-7, ..., 512-1023, capped), the estimate is
 the share of second sights followed by a third within ``horizon`` requests -- counted only once a sample is
