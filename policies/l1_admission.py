@@ -254,7 +254,7 @@ class AdmissionCore:
 
     def readmit_pays(self, k: Hashable) -> bool:
         """Whether to load dropped chunk ``k`` back into L1 now that the latest :meth:`observe` saw it again
-        (with ``readmit_horizon``, only if chunks back after its gap are used again at least as often as the
+        (with ``readmit_by_gap``, only if chunks back after its gap are used again at least as often as the
         average second sight, :class:`~kvtier.policies.reuse_gap.ReuseByGap`; otherwise always)."""
         gap = self.last_gaps.get(k)
         if self.reuse is None or gap is None:
